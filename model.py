@@ -1,0 +1,320 @@
+"""
+LLaMA-2 in one file, and SharedLLM built on top of it.
+
+SharedLLM ("Two Are Better than One", ICLR 2025) makes two models out of one LLaMA checkpoint:
+- the LOWER model (the bottom M layers) encodes the past context X_C, cut into chunks of C tokens. Each
+  chunk is a context tree (tree.py); each preserved node is encoded as its own sequence and keeps a few
+  of its per-layer key/value states (coarse for big nodes, fine for small ones);
+- the UPPER model (the whole LLaMA) reads the running text X_D and, in M of its layers (the bottom M by
+  default), cross-attends to those compressed key/values. Keys of chunk i sit at chunk position i and
+  every query at position n (n chunks), on top of the keys' own node-local rotation (paper Eq. 2).
+
+Notable features:
+- hand-written RoPE that takes explicit position ids (whole chunks can sit at one position);
+- one `attention` function that is the only place that knows about flash-attn / SDPA / manual softmax;
+- a KV cache for decoding; cross-attention keys/values are computed once per context;
+- runs on CPU (fp32) and CUDA (bf16) with no device-specific code in the modules.
+References: the paper (Sec. 3, Eq. 1-3, Algorithm 1); Meta's LLaMA-2 and Hugging Face modeling_llama.py.
+"""
+import copy
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tree
+
+try:
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+ATTN_BACKEND = None   # force "flash" | "sdpa" | "manual" (tests, teaching); None picks the fastest that applies
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class LlamaConfig:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 32        # < n_heads means grouped-query attention (LLaMA-2 70B: 8)
+    vocab_size: int = 32000
+    hidden_dim: int = 11008     # SwiGLU FFN width
+    norm_eps: float = 1e-5      # LLaMA-2's config.json says 1e-5 (HF's class default is 1e-6)
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096     # the context window the base model was trained for (informational: RoPE takes any position)
+    head_dim: int = 0           # 0 means dim // n_heads
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.dim // self.n_heads
+        assert self.n_heads % self.n_kv_heads == 0, f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+        assert self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE"
+
+
+# Named presets, chosen by exact key (never guessed from a folder name).
+PRESETS = {
+    "micro": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=64, max_seq_len=512),
+    "tiny": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=176, max_seq_len=1024),
+    "small": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=50304, hidden_dim=704, max_seq_len=1024),
+    "llama2-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000, hidden_dim=11008),
+    "llama2-13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, hidden_dim=13824),
+    "llama2-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000, hidden_dim=28672),
+}
+
+
+def preset(name, **overrides):
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+    return LlamaConfig(**{**PRESETS[name], **overrides})
+
+# -----------------------------------------------------------------------------
+# building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in fp32, cast back, then scale (the same order as HF, so bf16 results agree too)
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+# RoPE. Pairs can be formed two ways: Meta's original checkpoints rotate interleaved pairs (x0,x1),(x2,x3)...
+# (the complex-number form); Hugging Face checkpoints store wq/wk with their rows permuted so that the
+# pairs are the two halves (x_i, x_{i+d/2}) ("rotate_half"). Both give the same attention scores.
+# We load HF safetensors, so this file uses the split-half form and the weights load untouched.
+# To use Meta's layout instead, un-permute HF weights per head:
+#   w.view(n_heads, 2, head_dim // 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim)   (n_kv_heads for wk)
+def rope_cos_sin(pos, head_dim, theta):
+    # pos: integer tensor of any shape (...); returns cos, sin of shape (..., head_dim), in fp32
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim))
+    angles = pos.float()[..., None] * inv_freq            # (..., head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)          # (..., head_dim), same angle for both halves
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    # x: (B, H, T, hd); cos/sin: (T, hd) or (B, 1, T, hd). Rotating by p then by q equals rotating by p+q.
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+_announced = set()
+
+
+def attention(q, k, v, causal, backend=None):
+    # q: (B, Hq, Tq, hd); k, v: (B, Hkv, Tk, hd) with Hq a multiple of Hkv (grouped-query attention).
+    # causal with Tq < Tk means the queries are the LAST Tq positions (decoding with a cache).
+    backend = backend or ATTN_BACKEND
+    if backend is None:
+        fits_flash = flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        backend = "flash" if fits_flash else "sdpa"
+    if backend not in _announced:
+        _announced.add(backend)
+        why = "" if backend != "sdpa" or flash_attn_func is not None else " (flash-attn not installed)"
+        print(f"attention backend: {backend}{why}")
+    Tq, Tk = q.shape[2], k.shape[2]
+    if backend == "flash":  # flash-attn wants (B, T, H, hd), aligns causal masks bottom-right, does GQA natively
+        y = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        return y.transpose(1, 2)
+    mask = None
+    if causal and Tq != Tk:  # bottom-right aligned: query i sits at key position i + Tk - Tq
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    assert backend == "manual", f"unknown attention backend {backend!r}"
+    # the readable reference: softmax(q k^T / sqrt(d)) v, in fp32
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)   # (B, Hq, Tk, hd)
+    att = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, Hq, Tq, Tk)
+    if causal:
+        allowed = mask if mask is not None else torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
+        att = att.masked_fill(~allowed, float("-inf"))
+    return (att.softmax(dim=-1) @ v.float()).to(q.dtype)
+
+
+class KVCache:
+    # the upper model's self-attention keys/values during decoding, preallocated: (B, Hkv, max_len, hd)
+    def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype):
+        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, start, k, v):
+        end = start + k.shape[2]
+        assert end <= self.k.shape[2], f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}"
+        self.k[:, :, start:end], self.v[:, :, start:end] = k, v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def kv(self, x, cos, sin):
+        B, T, _ = x.shape
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, T, hd)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, start_pos=0, cache=None):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # (B, Hq, T, hd)
+        q = apply_rope(q, cos, sin)
+        k, v = self.kv(x, cos, sin)
+        if cache is not None:
+            k, v = cache.update(start_pos, k, v)
+        y = attention(q, k, v, causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class CrossAttention(nn.Module):
+    # Upper layer -> compressed context (paper Eq. 3). Its own query and output projections and NO key/value
+    # projections: K/V are the lower model's own self-attention K (already rotated) and V at the kept positions.
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, k, v, q_rope):
+        # x: (B, T, dim); k, v: (B, Hkv, S, hd) for S compressed KVs; q_rope: (cos, sin) at chunk position n, or None
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # (B, Hq, T, hd)
+        if q_rope is not None:
+            q = apply_rope(q, *q_rope)
+        y = attention(q, k, v, causal=False)   # the context precedes all of X_D: no mask
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)   # gate
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)   # down
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)   # up
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = SelfAttention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.cross_norm = self.cross_attention = None   # attached by SharedLLM to the injection layers
+        self.cross_src = None                           # which lower layer's K/V this layer reads
+
+    def forward(self, x, cos, sin, start_pos=0, cache=None, xkv=None):
+        # residual order: self-attention, then cross-attention (injection layers only), then the MLP
+        x = x + self.attention(self.attention_norm(x), cos, sin, start_pos, cache)
+        if xkv is not None:
+            x = x + self.cross_attention(self.cross_norm(x), *xkv)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)   # untied from the embedding, as in LLaMA-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def rope(self, pos):
+        return rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
+
+    def forward(self, idx, targets=None, start_pos=0, caches=None, memory=None):
+        # idx: (B, T) token ids at positions start_pos..start_pos+T-1 (X_D starts at position 0).
+        # memory: a compressed context from SharedLLM.compress, or None for the plain LLaMA.
+        B, T = idx.shape
+        cos, sin = self.rope(torch.arange(start_pos, start_pos + T, device=idx.device))
+        q_rope = None
+        if memory is not None and memory.chunk_ids:   # every X_D query sits at chunk position n
+            q_rope = self.rope(torch.full((T,), memory.n_chunks, device=idx.device))
+        x = self.tok_embeddings(idx)
+        for i, layer in enumerate(self.layers):
+            xkv = None
+            if memory is not None and layer.cross_attention is not None:
+                xkv = (*memory.kv[layer.cross_src], q_rope)
+            x = layer(x, cos, sin, start_pos, None if caches is None else caches[i], xkv)
+        logits = self.output(self.norm(x)).float()
+        loss = None
+        if targets is not None:   # targets: (B, T), -100 marks positions that are not scored
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    def new_caches(self, batch, max_len):
+        p = self.output.weight
+        return [KVCache(batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim, p.device, p.dtype) for _ in self.layers]
+
+    def node_kv(self, idx, n_layers):
+        # The lower model's job: run the bottom n_layers on idx (R, L) at positions 0..L-1 (causal, no
+        # cross-attention) and return each layer's self-attention K (after RoPE) and V: n_layers x (R, Hkv, L, hd).
+        cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
+        x, kvs = self.tok_embeddings(idx), []
+        for i, layer in enumerate(self.layers[:n_layers]):
+            kvs.append(layer.attention.kv(layer.attention_norm(x), cos, sin))
+            if i < n_layers - 1:   # the last lower layer's output is never used: only its K/V
+                x = layer(x, cos, sin)
+        return kvs
+
+    def retrieval_vec(self, idx, last):
+        # The vector the `query` policy compares: first layer (attention + MLP) then the final norm, at
+        # position last[r] of each row of idx (R, L). Rows may be right-padded: the model is causal.
+        cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
+        x = self.norm(self.layers[0](self.tok_embeddings(idx), cos, sin))
+        return x[torch.arange(idx.shape[0], device=idx.device), last]   # (R, dim)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None, memory=None, eos_id=None):
+        B, T = idx.shape
+        caches = self.new_caches(B, T + max_new_tokens)
+        logits, _ = self(idx, caches=caches, memory=memory)                           # prefill
+        for pos in range(T, T + max_new_tokens):
+            nxt = sample_next(logits[:, -1], temperature, top_k, top_p)
+            idx = torch.cat([idx, nxt], dim=1)
+            if (eos_id is not None and (nxt == eos_id).all()) or pos == T + max_new_tokens - 1:
+                break
+            logits, _ = self(nxt, start_pos=pos, caches=caches, memory=memory)        # one token at a time
+        return idx
+
+
+def sample_next(logits, temperature=0.0, top_k=None, top_p=None):
+    # logits: (B, vocab) -> (B, 1) token ids; temperature 0 is greedy
+    if temperature == 0.0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if top_p is not None:   # keep the smallest set of tokens whose probability reaches top_p
+        sp, si = probs.sort(dim=-1, descending=True)
+        drop = sp.cumsum(dim=-1) - sp > top_p
+        probs = torch.zeros_like(probs).scatter(1, si, sp.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, num_samples=1)

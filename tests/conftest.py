@@ -1,0 +1,33 @@
+# Shared helpers for the tests. Run everything with: python -m pytest
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SHARED_TOKENIZERS = os.path.join(ROOT, "..", "shared", "data", "tokenizers")   # present in this workplace, optional elsewhere
+
+
+def rel_err(a, b):
+    # max|a - b| / max|a|: the parity measure used throughout
+    return ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+
+
+def make_hf_checkpoint(path, gqa=True, sharded=False, dtype=torch.float32, seed=0, vocab=320):
+    """A random tiny LLaMA saved by transformers in HF layout; returns the transformers model (the reference)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2 if gqa else 4, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False, initializer_range=0.3)   # a large init: with 0.02 a wrong RoPE differs by only ~6e-3
+    transformers.LlamaForCausalLM(cfg).to(dtype).save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
+    # reload the way users run it: from_pretrained keeps RoPE's inv_freq in fp32 (a .to(bf16) model rounds it)
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
