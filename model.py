@@ -318,3 +318,160 @@ def sample_next(logits, temperature=0.0, top_k=None, top_p=None):
         drop = sp.cumsum(dim=-1) - sp > top_p
         probs = torch.zeros_like(probs).scatter(1, si, sp.masked_fill(drop, 0.0))
     return torch.multinomial(probs, num_samples=1)
+
+# -----------------------------------------------------------------------------
+# SharedLLM: the lower model compresses X_C into context trees, the upper model cross-attends to them
+
+
+@dataclass
+class SharedConfig:
+    n_lower: int = 4          # M: layers of the lower model = cross-attention layers of the upper (paper: 4 LM, 16 SFT)
+    chunk_size: int = 1024    # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
+    height: int = 3           # h: levels of the context tree below the root
+    beta: int = 8             # overall compression: C / (KVs kept per chunk)
+    policy: str = "right"     # which child to expand: "right" (language modeling) or "query" (cosine with the query)
+    keep: str = "last"        # which token of each stride window keeps its KV: "last", or "first" (released code)
+    noise: float = 5.0        # training-time split noise, sigma = l / noise (paper: 5 LM, 10 SFT); 0 = exact halves
+    chunk_ids: bool = True    # chunk-level position ids in cross-attention (Eq. 2); False for the ablation
+    inject: str = "bottom"    # which upper layers cross-attend: "bottom" M, "top" M, or "interleaved" every N/M
+    lower: str = "shared"     # "shared": the upper's own bottom M layers; "copy": a frozen copy of them
+
+    def __post_init__(self):
+        for name, allowed in [("policy", ("right", "query")), ("keep", ("last", "first")),
+                              ("inject", ("bottom", "top", "interleaved")), ("lower", ("shared", "copy"))]:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"SharedConfig.{name} = {getattr(self, name)!r}; expected one of {allowed}")
+        tree.node_budget(self.chunk_size, self.height, self.beta)   # fails early on impossible shapes
+
+
+@dataclass
+class Memory:
+    # a compressed context: what the upper model's cross-attention reads
+    kv: list                  # per lower layer j: (K, V), each (B, Hkv, n*S, hd); S = KVs kept per chunk
+    n_chunks: int
+    chunk_ids: bool
+    nodes: list = field(default_factory=list)   # per (batch item, chunk): the preserved tree.Nodes
+
+
+def injection_layers(n_layers, m, where):
+    # which upper layers get cross-attention; the j-th of them reads lower layer j
+    if where == "bottom":
+        return list(range(m))
+    if where == "top":
+        return list(range(n_layers - m, n_layers))
+    stride = n_layers // m   # "interleaved": layers stride-1, 2*stride-1, ... (paper: 4, 8, 12, ... counted from 1)
+    return [(j + 1) * stride - 1 for j in range(m)]
+
+
+def gather_spans(rows, row_ids, spans):
+    # rows: (R0, C) token ids; spans[i] = (start, end) inside rows[row_ids[i]]. Returns (R, L) tokens right-padded
+    # by repeating each span's last token (harmless: every consumer is causal and reads only real positions),
+    # and the index of each span's last real token.
+    dev = rows.device
+    starts = torch.tensor([s for s, _ in spans], device=dev)
+    lens = torch.tensor([e - s for s, e in spans], device=dev)
+    cols = starts[:, None] + torch.minimum(torch.arange(int(lens.max()), device=dev)[None], lens[:, None] - 1)
+    return rows[torch.as_tensor(row_ids, device=dev)].gather(1, cols), lens - 1
+
+
+class SharedLLM(nn.Module):
+    def __init__(self, llama, scfg):
+        super().__init__()
+        cfg, m = llama.cfg, scfg.n_lower
+        if not 1 <= m <= cfg.n_layers:
+            raise ValueError(f"n_lower (M) = {m}; the model has {cfg.n_layers} layers")
+        self.scfg, self.upper, self.lower = scfg, llama, None
+        if scfg.lower == "copy":   # its own frozen copy of the embedding, bottom M layers and final norm
+            self.lower = copy.deepcopy(llama)
+            self.lower.layers, self.lower.output = self.lower.layers[:m], None
+            self.lower.requires_grad_(False)
+        p = llama.output.weight
+        for j, i in enumerate(injection_layers(cfg.n_layers, m, scfg.inject)):
+            blk = llama.layers[i]
+            blk.cross_norm = RMSNorm(cfg.dim, cfg.norm_eps).to(p.device, p.dtype)
+            blk.cross_attention = CrossAttention(cfg).to(p.device, p.dtype)
+            blk.cross_src = j
+            # Init: the layer's own query (its norm and wq) and a zero output projection, so an untrained
+            # SharedLLM returns exactly its base LLaMA's output. (Released code: random N(0, 0.02) for both.)
+            with torch.no_grad():
+                blk.cross_norm.weight.copy_(blk.attention_norm.weight)
+                blk.cross_attention.wq.weight.copy_(blk.attention.wq.weight)
+                blk.cross_attention.wo.weight.zero_()
+
+    @classmethod
+    def from_llama(cls, llama, **shared_config):
+        # the one way to build both models from one checkpoint: SharedLLM.from_llama(load_llama(dir), n_lower=4, ...)
+        return cls(llama, SharedConfig(**shared_config))
+
+    def lower_model(self):
+        return self.lower if self.lower is not None else self.upper
+
+    def lower_parameters(self):
+        # what the compressor runs: embedding and bottom M blocks (not the cross-attention attached to them)
+        low = self.lower_model()
+        return [p for n, p in low.named_parameters() if n.startswith("tok_embeddings")
+                or (n.startswith("layers.") and int(n.split(".")[1]) < self.scfg.n_lower and ".cross_" not in n)]
+
+    def compress(self, context, idx=None, query_len=None):
+        # context: (B, n, C) token ids of X_C; idx: (B, T) the running text X_D (the query, for the "query"
+        # policy); query_len: (B,) how many leading tokens of X_D are the query (default: all of X_D).
+        s, low = self.scfg, self.lower_model()
+        B, n, C = context.shape
+        if C != s.chunk_size:
+            raise ValueError(f"context chunks have {C} tokens; this model's chunk_size C is {s.chunk_size}")
+        rows = context.reshape(B * n, C)                                # one tree per (batch item, chunk)
+        decide = None
+        if s.policy == "query":
+            if idx is None:
+                raise ValueError("policy 'query' needs the running text idx (the query)")
+            last = (query_len if query_len is not None else torch.full((B,), idx.shape[1], device=idx.device)) - 1
+            with torch.no_grad():
+                q = self.upper.retrieval_vec(idx, last).repeat_interleave(n, dim=0)    # (B*n, dim)
+
+            def decide(level, lefts, rights):   # each chunk compares the query with ITS OWN two children
+                with torch.no_grad():
+                    h_left = low.retrieval_vec(*gather_spans(rows, range(B * n), lefts))
+                    h_right = low.retrieval_vec(*gather_spans(rows, range(B * n), rights))
+                return (F.cosine_similarity(q, h_right, dim=-1) > F.cosine_similarity(q, h_left, dim=-1)).tolist()
+        nodes = tree.search(B * n, C, s.height, s.beta, decide, s.noise if self.training else 0.0)
+
+        # encode: every preserved node is its own sequence at positions 0.., one batched call per level
+        frozen = not any(p.requires_grad for p in self.lower_parameters())
+        flat = [None] * s.n_lower    # per layer: list of (R_level * k_level, Hkv, hd) blocks
+        where, offset = {}, 0        # (row, node start) -> index of its first kept KV in the flat list
+        for level in range(1, s.height + 1):
+            sel = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
+            tokens, _ = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
+            keep = torch.tensor([tree.keep_index(len(nd), nd.kept, s.keep) for _, nd in sel], device=rows.device)
+            with torch.no_grad() if frozen else torch.enable_grad():
+                kvs = low.node_kv(tokens, s.n_lower)                       # n_lower x (R, Hkv, L, hd)
+            R, k = keep.shape
+            for j, (K, V) in enumerate(kvs):
+                ix = keep[:, None, :, None].expand(R, K.shape[1], k, K.shape[3])
+                K, V = K.gather(2, ix), V.gather(2, ix)                       # (R, Hkv, k, hd): the kept KVs
+                blocks = [t.transpose(1, 2).reshape(R * k, K.shape[1], K.shape[3]) for t in (K, V)]
+                flat[j] = blocks if flat[j] is None else [torch.cat([a, b]) for a, b in zip(flat[j], blocks)]
+            for i, (r, nd) in enumerate(sel):
+                where[r, nd.start] = offset + i * k
+            offset += R * k
+        # reorder into (batch, chunk, node in text order, kept KV) and apply chunk-level position ids
+        order = torch.tensor([where[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds for t in range(nd.kept)],
+                             device=rows.device)
+        S = sum(nd.kept for nd in nodes[0])                                   # KVs per chunk, the same for all
+        kv = []
+        for K, V in flat:
+            K, V = (t[order].view(B, n * S, *t.shape[1:]).transpose(1, 2) for t in (K, V))   # (B, Hkv, n*S, hd)
+            if s.chunk_ids:   # keys of chunk i at position i, on top of their node-local rotation (Eq. 2)
+                K = apply_rope(K, *self.upper.rope(torch.arange(n, device=K.device).repeat_interleave(S)))
+            kv.append((K, V))
+        return Memory(kv, n, s.chunk_ids, nodes)
+
+    def forward(self, context, idx, targets=None, query_len=None):
+        # context: (B, n, C) or None; idx, targets: (B, T) -> logits (B, T, vocab), loss
+        memory = None if context is None or context.shape[1] == 0 else self.compress(context, idx, query_len)
+        return self.upper(idx, targets, memory=memory)
+
+    @torch.no_grad()
+    def generate(self, context, idx, max_new_tokens, query_len=None, **sampling):
+        memory = self.compress(context, idx, query_len)   # once: the tree and the compressed KVs stay fixed
+        return self.upper.generate(idx, max_new_tokens, memory=memory, **sampling)

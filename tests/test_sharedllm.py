@@ -1,0 +1,190 @@
+# SharedLLM: equivalences and invariants that the released code's bugs would have failed.
+import copy
+
+import pytest
+import torch
+
+import model as M
+import tree
+from conftest import rel_err
+
+V = 258
+
+
+def build(seed=0, wo_scale=0.0, **kw):
+    torch.manual_seed(seed)
+    base = M.Llama(M.preset("micro", n_layers=3)).eval()
+    ref = copy.deepcopy(base)
+    cfg = dict(n_lower=2, chunk_size=64, height=3, beta=4)
+    s = M.SharedLLM.from_llama(base, **{**cfg, **kw}).eval()
+    if wo_scale:   # a trained-looking cross-attention, so the context actually changes the output
+        for blk in s.upper.layers:
+            if blk.cross_attention is not None:
+                torch.nn.init.normal_(blk.cross_attention.wo.weight, std=wo_scale)
+    return s, ref
+
+
+def data(B=2, n=3, T=20, C=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, n, C), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+@pytest.mark.parametrize("lower", ["shared", "copy"])
+@pytest.mark.parametrize("policy", ["right", "query"])
+def test_untrained_sharedllm_equals_base_llama(lower, policy):
+    s, ref = build(lower=lower, policy=policy)
+    ctx, idx = data()
+    with torch.no_grad():
+        a, _ = s(ctx, idx)
+        b, _ = ref(idx)
+    assert torch.equal(a, b)                                # zero output projection: exactly the base model
+    s2, _ = build(lower=lower, policy=policy, wo_scale=0.5)
+    with torch.no_grad():
+        assert rel_err(b, s2(ctx, idx)[0]) > 1e-3           # ...and the context does matter once it is not zero
+
+
+def test_lower_kv_equals_base_llama_kv_at_kept_positions():
+    s, ref = build(chunk_ids=True)
+    ctx, idx = data(B=2, n=3)
+    mem = s.compress(ctx, idx)
+    S = sum(nd.kept for nd in mem.nodes[0])
+    for b in range(2):
+        for c in range(3):
+            off = 0
+            for nd in mem.nodes[b * 3 + c]:
+                captured = {}
+                hooks = [ref.layers[j].attention.wk.register_forward_hook(lambda m, i, o, j=j: captured.__setitem__(("k", j), o))
+                         for j in range(2)]
+                hooks += [ref.layers[j].attention.wv.register_forward_hook(lambda m, i, o, j=j: captured.__setitem__(("v", j), o))
+                          for j in range(2)]
+                with torch.no_grad():
+                    ref(ctx[b, c, nd.start:nd.end][None])    # the base LLaMA on this node's tokens, positions 0..
+                for h in hooks:
+                    h.remove()
+                keep = torch.tensor(tree.keep_index(len(nd), nd.kept, "last"))
+                for j in range(2):
+                    k = captured["k", j].view(1, len(nd), 2, 8).transpose(1, 2)                    # (1, Hkv, L, hd)
+                    k = M.apply_rope(k, *M.rope_cos_sin(torch.arange(len(nd)), 8, 10000.0))          # node-local positions
+                    k = M.apply_rope(k, *M.rope_cos_sin(torch.full((len(nd),), c), 8, 10000.0))     # then chunk id c
+                    v = captured["v", j].view(1, len(nd), 2, 8).transpose(1, 2)
+                    K, Vv = mem.kv[j]
+                    sl = slice(c * S + off, c * S + off + nd.kept)
+                    assert rel_err(k[0][:, keep], K[b][:, sl]) < 1e-5
+                    assert rel_err(v[0][:, keep], Vv[b][:, sl]) < 1e-5
+                off += nd.kept
+
+
+def test_chunk_ids_make_order_visible():
+    ctx, idx = data(n=4)
+    perm = ctx[:, [2, 0, 3, 1]]
+    for chunk_ids, should_change in [(True, True), (False, False)]:
+        s, _ = build(wo_scale=0.5, chunk_ids=chunk_ids)
+        with torch.no_grad():
+            a, b = s(ctx, idx)[0], s(perm, idx)[0]
+        err = rel_err(a, b)
+        assert (err > 1e-3) if should_change else (err < 1e-5), (chunk_ids, err)
+
+
+@pytest.mark.parametrize("policy", ["right", "query"])
+def test_cached_decoding_equals_full_forward(policy):
+    s, _ = build(wo_scale=0.5, policy=policy)
+    ctx, idx = data(B=2, T=16)
+    qlen = torch.tensor([6, 9])
+    with torch.no_grad():
+        mem = s.compress(ctx, idx[:, :9], qlen)
+        full, _ = s.upper(idx, memory=mem)
+        caches = s.upper.new_caches(2, 16)
+        steps = [s.upper(idx[:, :9], caches=caches, memory=mem)[0]]
+        for t in range(9, 16):
+            steps.append(s.upper(idx[:, t:t + 1], start_pos=t, caches=caches, memory=mem)[0])
+    assert rel_err(full, torch.cat(steps, 1)) < 1e-5
+    out = s.generate(ctx, idx[:, :9], 10, query_len=qlen)            # compress once, prefill, decode
+    ref = idx[:, :9]
+    with torch.no_grad():
+        for _ in range(10):
+            ref = torch.cat([ref, s.upper(ref, memory=mem)[0][:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ref)
+
+
+def test_batch_items_are_independent():
+    s, _ = build(wo_scale=0.5, policy="query")
+    ctx, idx = data(B=3, n=2)
+    with torch.no_grad():
+        batched = s(ctx, idx)[0]
+        for b in range(3):
+            assert rel_err(batched[b:b + 1], s(ctx[b:b + 1], idx[b:b + 1])[0]) < 1e-5
+
+
+def test_query_policy_pairs_each_chunk_with_its_own_children():
+    # Make retrieval vectors one-hot of the span's last token: the query (last token Q) is similar only to a
+    # child ending in Q. Chunks 0 and 2 end their LEFT half in Q, chunk 1 its RIGHT half; answers are known.
+    s, _ = build(policy="query", height=2)
+    Q = 7
+    ctx, idx = data(B=2, n=3)
+    ctx[ctx == Q] = 8
+    idx[:, -1] = Q
+    for b in range(2):
+        ctx[b, 0, 31], ctx[b, 1, 63], ctx[b, 2, 31] = Q, Q, Q
+    s.upper.retrieval_vec = lambda tokens, last: torch.nn.functional.one_hot(tokens[torch.arange(len(last)), last], V).float()
+    mem = s.compress(ctx, idx)
+    for r, nds in enumerate(mem.nodes):
+        preserved = [(nd.start, nd.end) for nd in nds if nd.level == 1][0]
+        assert preserved == ((32, 64) if r % 3 in (0, 2) else (0, 32)), (r, preserved)
+
+
+def test_gradients_reach_exactly_the_trainable_parameters():
+    s, _ = build(wo_scale=0.5)                                         # from scratch: everything trains
+    s.train()
+    ctx, idx = data()
+    _, loss = s(ctx, idx, targets=idx)
+    loss.backward()
+    no_grad = [n for n, p in s.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
+    assert no_grad == []
+    # the paper's LM recipe on a checkpoint: frozen copy as the lower model, only cross-attention trains
+    s, _ = build(wo_scale=0.5, lower="copy")
+    for n, p in s.named_parameters():
+        p.requires_grad_(".cross_" in n)
+    s.train()
+    _, loss = s(ctx, idx, targets=idx)
+    loss.backward()
+    for n, p in s.named_parameters():
+        assert (p.grad is not None and p.grad.abs().sum() > 0) == (".cross_" in n), n
+    assert len([p for p in s.parameters() if p.requires_grad]) == 2 * 3   # 2 layers x (norm, wq, wo)
+
+
+@pytest.mark.parametrize("kw,n,B", [(dict(beta=1), 2, 1), (dict(height=1), 3, 2), ({}, 1, 1), ({}, 2, 4),
+                                    (dict(keep="first"), 2, 2), (dict(inject="top"), 2, 1), (dict(inject="interleaved", n_lower=1), 2, 1)])
+def test_edge_cases(kw, n, B):
+    s, ref = build(wo_scale=0.5, **kw)
+    ctx, idx = data(B=B, n=n)
+    mem = s.compress(ctx, idx)
+    beta, h = s.scfg.beta, s.scfg.height
+    assert mem.kv[0][0].shape == (B, 2, n * 64 // beta, 8)
+    assert all(len(nodes) == h + 1 for nodes in mem.nodes) and len(mem.nodes) == B * n
+    logits, _ = s(ctx, idx)
+    assert logits.shape == (B, 20, V) and torch.isfinite(logits).all()
+    layers = [i for i, blk in enumerate(s.upper.layers) if blk.cross_attention is not None]
+    assert layers == {"bottom": list(range(s.scfg.n_lower)), "top": [1, 2], "interleaved": [2]}[s.scfg.inject]
+
+
+def test_noise_only_in_training():
+    s, _ = build(noise=5.0)
+    ctx, idx = data(n=2)
+    halves = [(0, 32), (32, 48), (48, 56), (56, 64)]
+    assert all([(nd.start, nd.end) for nd in nds] == halves for nds in s.compress(ctx, idx).nodes)
+    s.train()
+    import random
+    random.seed(0)
+    spans = [[(nd.start, nd.end) for nd in nds] for nds in s.compress(ctx, idx).nodes]
+    assert spans[0] != halves and all(sp == spans[0] for sp in spans)
+    assert s.compress(ctx, idx).kv[0][0].shape == (2, 2, 2 * 16, 8)
+
+
+def test_bad_configs():
+    with pytest.raises(ValueError, match="SharedConfig.policy = 'left'"):
+        M.SharedConfig(policy="left")
+    with pytest.raises(ValueError, match=r"n_lower \(M\) = 5; the model has 3 layers"):
+        build(n_lower=5)
+    s, _ = build()
+    with pytest.raises(ValueError, match="context chunks have 32 tokens; this model's chunk_size C is 64"):
+        s(torch.zeros(1, 2, 32, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
