@@ -239,6 +239,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)   # untied from the embedding, as in LLaMA-2
+        self.checkpointing = False   # activation checkpointing of the blocks while training (train.py sets it)
         self.apply(self._init_weights)
 
     def _init_weights(self, m):
@@ -261,7 +262,11 @@ class Llama(nn.Module):
             xkv = None
             if memory is not None and layer.cross_attention is not None:
                 xkv = (*memory.kv[layer.cross_src], q_rope)
-            x = layer(x, cos, sin, start_pos, None if caches is None else caches[i], xkv)
+            args = (x, cos, sin, start_pos, None if caches is None else caches[i], xkv)
+            if self.checkpointing and self.training:   # recompute activations in backward: memory for time
+                x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
+            else:
+                x = layer(*args)
         logits = self.output(self.norm(x)).float()
         loss = None
         if targets is not None:   # targets: (B, T), -100 marks positions that are not scored

@@ -1,0 +1,117 @@
+"""
+Data for train.py, eval.py and sample.py, with no download.
+
+- Long documents for language modeling: by default the Python standard library's own .py files (present on
+  every machine with Python; many are 20K-100K tokens, and code is what the paper's CodeParrot column measures),
+  or every .txt file under `data_dir`. Tokenized once and cached as one memory-mapped token file plus document
+  offsets (nanoGPT's prepare.py style); split into train/val by document.
+- Passkey retrieval (the Landmark / LongLoRA format): a 5-digit random key at a given depth inside the context,
+  filler around it, the question at the end of X_D; only the answer tokens are scored.
+
+A sample is (context (n, C), idx (T,), targets (T,), query_len): X_C precedes X_D in the same document.
+"""
+import glob
+import hashlib
+import json
+import os
+import random
+import sysconfig
+
+import numpy as np
+import torch
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+QUESTION = "What is the pass key? The pass key is "
+
+
+def corpus_files(data_dir=""):
+    if data_dir:
+        files = sorted(glob.glob(os.path.join(data_dir, "**", "*.txt"), recursive=True))
+        if not files:
+            raise FileNotFoundError(f"data_dir={data_dir!r} holds no .txt files")
+        return files
+    return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+
+
+def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10):
+    # -> {"train": (tokens, offsets), "val": (...)}; offsets[i]:offsets[i+1] is document i
+    files = corpus_files(data_dir)
+    sig = json.dumps([tok.spec, [(f, os.path.getsize(f)) for f in files]], sort_keys=True)
+    key = hashlib.sha1(sig.encode()).hexdigest()[:12]
+    out = {}
+    for split in ("train", "val"):
+        path = os.path.join(cache_dir, f"{key}_{split}")
+        if not os.path.exists(path + ".offsets.npy"):
+            docs = [tok.encode(open(f, encoding="utf-8", errors="replace").read(), bos=True)
+                    for i, f in enumerate(files) if (i % val_every == val_every - 1) == (split == "val")]
+            offsets = np.cumsum([0] + [len(d) for d in docs])
+            dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
+            os.makedirs(cache_dir, exist_ok=True)
+            arr = np.memmap(path + ".tmp", dtype=dtype, mode="w+", shape=(max(1, int(offsets[-1])),))
+            arr[: offsets[-1]] = np.concatenate(docs) if docs else []
+            arr.flush()
+            os.replace(path + ".tmp", path + ".bin")
+            np.save(path + ".offsets.npy", offsets)   # written last: its presence means the cache is complete
+            print(f"prepared {split}: {len(docs)} documents, {offsets[-1]:,} tokens -> {path}.bin")
+        offsets = np.load(path + ".offsets.npy")
+        dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
+        out[split] = (np.memmap(path + ".bin", dtype=dtype, mode="r"), offsets)
+    return out
+
+
+def lm_sample(split, rng, n_chunks, chunk_size, T):
+    # a window of n*C + T + 1 tokens from one document: X_C, then X_D (idx) and its next tokens (targets)
+    tokens, offsets = split
+    need = n_chunks * chunk_size + T + 1
+    lens = np.diff(offsets)
+    ok = np.nonzero(lens >= need)[0]
+    if len(ok) == 0:
+        raise ValueError(f"no document has {need} tokens (n_chunks={n_chunks} x chunk_size={chunk_size} + T={T} + 1); "
+                         f"the longest has {lens.max()}")
+    d = ok[rng.randrange(len(ok))]
+    s = int(offsets[d]) + rng.randrange(int(lens[d]) - need + 1)
+    w = torch.from_numpy(tokens[s:s + need].astype(np.int64))
+    ctx = w[: n_chunks * chunk_size].view(n_chunks, chunk_size)
+    return ctx, w[n_chunks * chunk_size:-1], w[n_chunks * chunk_size + 1:], T
+
+
+def passkey_ids(tok):
+    # token ids of the fixed parts, computed once per tokenizer
+    if not hasattr(tok, "_passkey"):
+        tok._passkey = dict(filler=tok.encode(FILLER, bos=False), question=tok.encode(QUESTION, bos=False))
+    return tok._passkey
+
+
+def passkey_sample(tok, rng, n_chunks, chunk_size, T=None, depth=None, key=None):
+    # X_C: filler with the needle at `depth` (0 = start, 1 = end of the context); X_D: the question + the key.
+    # Only the key's tokens are scored. The needle always lies wholly inside X_C.
+    p = passkey_ids(tok)
+    key = rng.randint(10000, 99999) if key is None else key
+    depth = rng.random() if depth is None else depth
+    needle = tok.encode(f"The pass key is {key}. Remember it. {key} is the pass key. ", bos=False)
+    L = n_chunks * chunk_size
+    if L < len(needle) + 1:
+        raise ValueError(f"context of {L} tokens is too short for the passkey needle ({len(needle) + 1} tokens)")
+    hay = [tok.bos_id] + p["filler"] * (L // len(p["filler"]) + 1)
+    at = 1 + round(depth * (L - len(needle) - 1))
+    ctx = (hay[:at] + needle + hay[at:])[:L]
+    answer = tok.encode(str(key), bos=False)
+    xd = p["question"] + answer
+    T = T or len(xd) - 1
+    assert T >= len(xd) - 1, f"T={T} is too short for the passkey question and answer ({len(xd) - 1})"
+    xd = xd + (p["filler"] * (T // len(p["filler"]) + 2))[: T + 1 - len(xd)]   # pad after the answer: not scored
+    idx, targets = torch.tensor(xd[:-1]), torch.tensor(xd[1:])
+    targets[: len(p["question"]) - 1] = -100                                      # score only the answer tokens
+    targets[len(p["question"]) - 1 + len(answer):] = -100
+    return torch.tensor(ctx).view(n_chunks, chunk_size), idx, targets, len(p["question"])
+
+
+def get_batch(kind, B, rng, tok, splits, n_chunks, chunk_size, T, split="train", passkey_frac=0.5):
+    # kind: "lm" | "passkey" | "mixed" -> context (B, n, C), idx (B, T), targets (B, T), query_len (B,)
+    samples = []
+    for _ in range(B):
+        pk = kind == "passkey" or (kind == "mixed" and rng.random() < passkey_frac)
+        samples.append(passkey_sample(tok, rng, n_chunks, chunk_size, T) if pk
+                       else lm_sample(splits[split], rng, n_chunks, chunk_size, T))
+    ctx, idx, tgt, ql = zip(*samples)
+    return torch.stack(ctx), torch.stack(idx), torch.stack(tgt), torch.tensor(ql)

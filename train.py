@@ -1,0 +1,347 @@
+"""
+Train SharedLLM, nanoGPT style. The default trains a tiny SharedLLM from scratch on a CPU in minutes, with no
+download, on passkey retrieval mixed with language modeling on the Python standard library's own source:
+
+  python train.py                                    # the default run (see README for its numbers)
+  python train.py --help                             # every setting, with its comment
+  python train.py --n_chunks=1 --max_iters=200       # any setting: --name=value
+  python train.py --init_from=/path/to/Llama-2-7b-hf --train=cross --n_lower=4 --chunk_size=1024 \\
+                  --n_chunks=4 --block_size=4096 --task=lm      # the paper's language-modeling recipe
+  torchrun --nproc_per_node=2 train.py               # several GPUs (or CPU processes over gloo)
+"""
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+
+import data
+import model as M
+from load_llama import ByteTokenizer, GPT2Tokenizer, Tokenizer, load_llama, tokenizer_from_spec
+
+# -----------------------------------------------------------------------------
+# config: every name below can be overridden with --name=value
+out_dir = "out"
+init_from = "scratch"       # "scratch" | "resume" (from out_dir) | a LLaMA-2 folder in HF layout
+eval_interval = 100         # evaluate and checkpoint every this many iterations
+eval_iters = 4              # batches per eval setting
+log_interval = 10
+eval_only = False
+# data
+task = "mixed"              # "lm" | "passkey" | "mixed" (passkey + language modeling, like the paper's SFT mix)
+passkey_frac = 0.5          # share of passkey samples in "mixed"
+data_dir = ""               # a folder of .txt files; "" = the Python standard library's .py files
+tokenizer = "byte"          # "byte" | "gpt2" | a sentencepiece .model path (a LLaMA-2 folder brings its own)
+n_chunks = 4                # n: context chunks per training sample (X_C = n x C tokens)
+chunk_schedule = ""         # curriculum, e.g. "1:300,2:600": 1 chunk until iter 300, 2 until 600, then n_chunks
+block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)
+eval_chunks = "4,16"        # chunk counts evaluated
+# model: preset for scratch, SharedLLM settings always
+preset = "tiny"             # model.PRESETS key, for init_from=scratch
+n_lower = 2                 # M: lower-model layers = cross-attention layers
+chunk_size = 128            # C
+height = 3                  # tree height h
+beta = 8                    # compression: C / KVs kept per chunk
+policy = "right"            # "right" | "query"
+keep = "last"               # "last" | "first" token of each stride window
+noise = 5.0                 # training split noise: sigma = l / noise; 0 = off
+chunk_ids = True            # chunk-level position ids
+inject = "bottom"           # "bottom" | "top" | "interleaved"
+train = "all"               # what trains: "all" | "cross" (cross-attention only: released code, LM) |
+                            # "cross+top" (plus the top N-M layers: the paper's LM text) | "upper" (the whole upper model: SFT)
+activation_checkpointing = False
+# optimizer
+batch_size = 16
+gradient_accumulation_steps = 1
+max_iters = 1000
+learning_rate = 3e-3
+min_lr = 3e-4
+warmup_iters = 50
+weight_decay = 0.0
+beta1, beta2 = 0.9, 0.99
+grad_clip = 1.0
+# system
+device = "auto"             # "auto" = cuda, then mps, then cpu
+dtype = "auto"              # "auto" = bfloat16 where supported, else float32 (never float16 by default)
+compile = False
+seed = 1337
+# -----------------------------------------------------------------------------
+
+
+def parse_overrides(argv, config):
+    # --name=value, type-checked against the default; unknown names are an error
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            src = open(__file__).read()
+            print(src[src.index("# config:"):src.index("# " + "-" * 77, src.index("# config:"))])
+            sys.exit(0)
+        if not arg.startswith("--") or "=" not in arg:
+            raise SystemExit(f"bad argument {arg!r}: expected --name=value (see --help)")
+        key, val = arg[2:].split("=", 1)
+        if key not in config:
+            raise SystemExit(f"unknown setting {key!r}; see --help for the list")
+        default = config[key]
+        try:
+            if isinstance(default, bool):
+                if val.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                new = val.lower() in ("true", "1")
+            else:
+                new = type(default)(val)
+        except ValueError:
+            raise SystemExit(f"--{key}={val}: expected a {type(default).__name__} (default {default!r})") from None
+        print(f"overriding: {key} = {new!r}")
+        config[key] = new
+
+
+config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
+config = {k: globals()[k] for k in config_keys}
+if __name__ == "__main__":
+    parse_overrides(sys.argv[1:], config)
+    globals().update(config)
+
+# -----------------------------------------------------------------------------
+# distributed, device, dtype
+
+
+def main():
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+    dev = device
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if ddp:
+        torch.distributed.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
+        if dev.startswith("cuda"):
+            dev = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+            torch.cuda.set_device(dev)
+    master = rank == 0
+    dev_type = "cuda" if dev.startswith("cuda") else dev
+    bf16_ok = dev_type == "cuda" and torch.cuda.is_bf16_supported()
+    dt = dtype if dtype != "auto" else ("bfloat16" if bf16_ok else "float32")
+    if dt not in ("float32", "bfloat16", "float16"):
+        raise SystemExit(f"--dtype={dt}: expected float32 or bfloat16 (or float16)")
+    ptdtype = getattr(torch, dt)
+    autocast = nullcontext() if dev_type == "cpu" or dt == "float32" else torch.autocast(dev_type, dtype=ptdtype)
+    torch.manual_seed(seed + rank)
+    rng = random.Random(seed + rank)   # the data stream
+    random.seed(seed + rank)           # tree split noise
+    if master:
+        print(f"device {dev}, dtype {dt}{' (autocast)' if dt != 'float32' else ''}, {world} process(es)")
+        os.makedirs(out_dir, exist_ok=True)
+
+    # -------------------------------------------------------------------------
+    # model and tokenizer
+    scfg = dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy, keep=keep,
+                noise=noise, chunk_ids=chunk_ids, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
+    ckpt = None
+    if init_from == "scratch":
+        tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: Tokenizer(tokenizer))()
+        vocab = M.PRESETS[preset]["vocab_size"] if preset in M.PRESETS else 0
+        llama = M.Llama(M.preset(preset, vocab_size=max(vocab, tok.vocab_size)))
+        model_args = dict(llama=asdict(llama.cfg), shared=scfg)
+    elif init_from == "resume":
+        path = os.path.join(out_dir, "ckpt.pt")
+        if not os.path.isfile(path):
+            raise SystemExit(f"init_from=resume: no checkpoint at {path}")
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        tok = tokenizer_from_spec(ckpt["tokenizer"])
+        model_args = ckpt["model_args"]
+        llama = M.Llama(M.LlamaConfig(**model_args["llama"]))
+        scfg = model_args["shared"]
+    else:   # a LLaMA-2 folder: both models come from this one checkpoint
+        tok_path = os.path.join(init_from, "tokenizer.model")
+        if not os.path.isfile(tok_path):
+            raise SystemExit(f"init_from={init_from}: no tokenizer.model there (needed to tokenize the data)")
+        tok = Tokenizer(tok_path)
+        llama = load_llama(init_from, "cpu", ptdtype if dev_type == "cuda" else torch.float32)
+        model_args = dict(llama=asdict(llama.cfg), shared=scfg)
+    if tok.vocab_size > llama.cfg.vocab_size:
+        raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {llama.cfg.vocab_size}")
+    llama.checkpointing = activation_checkpointing
+    raw = M.SharedLLM(llama, M.SharedConfig(**scfg))
+    if ckpt is not None:
+        raw.load_state_dict(ckpt["model"])
+    set_trainable(raw, train)
+    raw.to(dev)
+    n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)
+    n_frozen = sum(p.numel() for p in raw.parameters() if not p.requires_grad)
+    if master:
+        print(f"model: {llama.cfg}\nshared: {raw.scfg}\ntrainable {n_train:,} / frozen {n_frozen:,} parameters (train={train!r})")
+        if init_from not in ("scratch", "resume"):
+            memory_estimate(raw, dt, dev)
+    model = torch.compile(raw) if compile and dev_type != "cpu" else raw
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[int(os.environ["LOCAL_RANK"])] if dev_type == "cuda" else None)
+
+    # -------------------------------------------------------------------------
+    # data, optimizer, schedule
+    splits = data.prepare(tok, data_dir) if task != "passkey" else None
+    params = [p for p in raw.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(beta1, beta2), weight_decay=weight_decay)
+    iter_num = 0
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        iter_num = ckpt["iter_num"]
+        rng.setstate(ckpt["rng"][rank if rank < len(ckpt["rng"]) else 0])
+        random.setstate(ckpt["tree_rng"])
+        torch.set_rng_state(ckpt["torch_rng"])
+
+    def get_lr(it):   # linear warmup, then cosine down to min_lr at max_iters
+        if it < warmup_iters:
+            return learning_rate * (it + 1) / warmup_iters
+        ratio = min(1.0, (it - warmup_iters) / max(1, max_iters - warmup_iters))
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+    def chunks_at(it):
+        for part in filter(None, chunk_schedule.split(",")):
+            n, until = (int(x) for x in part.split(":"))
+            if it < until:
+                return n
+        return n_chunks
+
+    @torch.no_grad()
+    def evaluate():
+        # fixed validation samples (their own seed), so evals are comparable and never touch the training RNGs
+        raw.eval()
+        out = {}
+        for n in [int(x) for x in eval_chunks.split(",")]:
+            erng = random.Random(1000 + n)
+            if task in ("passkey", "mixed"):
+                hits = [0, 0]
+                for _ in range(eval_iters):
+                    batch = [t.to(dev) for t in data.get_batch("passkey", batch_size, erng, tok, splits, n, chunk_size, None)]
+                    for j, ctx in enumerate((batch[0], None)):   # with the context, then the upper model alone
+                        with autocast:
+                            logits, _ = raw(ctx, batch[1], query_len=batch[3])
+                        scored = batch[2] != -100
+                        hits[j] += ((logits.argmax(-1) == batch[2]) | ~scored).all(-1).sum().item()
+                out[f"passkey@{n}"], out[f"passkey_noctx@{n}"] = (h / (eval_iters * batch_size) for h in hits)
+            if task in ("lm", "mixed"):
+                losses = [0.0, 0.0]
+                for _ in range(eval_iters):
+                    batch = [t.to(dev) for t in data.get_batch("lm", batch_size, erng, tok, splits, n, chunk_size, block_size, "val")]
+                    for j, ctx in enumerate((batch[0], None)):
+                        with autocast:
+                            losses[j] += raw(ctx, batch[1], batch[2])[1].item() / eval_iters
+                out[f"lm_loss@{n}"], out[f"lm_loss_noctx@{n}"] = losses
+                out[f"ppl_ratio@{n}"] = math.exp(losses[0] - losses[1])
+        raw.train()
+        return out
+
+    def save():
+        ck = dict(model=raw.state_dict(), optimizer=optimizer.state_dict(), model_args=model_args, iter_num=iter_num,
+                  config=config, tokenizer=tok.spec, rng=[rng.getstate()], tree_rng=random.getstate(),
+                  torch_rng=torch.get_rng_state())
+        path = os.path.join(out_dir, "ckpt.pt")
+        torch.save(ck, path + ".tmp")      # written in full, then renamed: a crash never leaves half a checkpoint
+        os.replace(path + ".tmp", path)
+
+    # -------------------------------------------------------------------------
+    # the loop
+    peak = peak_flops(dev_type, ptdtype) if master else 1.0
+    raw.train()
+    t0, t_start = time.time(), time.time()
+    while True:
+        last = iter_num >= max_iters
+        if (iter_num % eval_interval == 0 or last) and master and (iter_num > 0 or eval_only):
+            res = evaluate()
+            print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
+            if not eval_only:
+                save()
+            t0 = time.time()   # eval time is not training time
+        if last or eval_only:
+            break
+        lr = get_lr(iter_num)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        n = chunks_at(iter_num)
+        for micro in range(gradient_accumulation_steps):
+            ctx, idx, tgt, ql = (t.to(dev) for t in data.get_batch(task, batch_size, rng, tok, splits, n, chunk_size,
+                                                                   block_size, passkey_frac=passkey_frac))
+            sync = nullcontext() if not ddp or micro == gradient_accumulation_steps - 1 else model.no_sync()
+            with sync, autocast:
+                _, loss = model(ctx, idx, tgt, ql)
+            (loss / gradient_accumulation_steps).backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+        if iter_num % log_interval == 0 and master:
+            dt_ = (time.time() - t0) / log_interval
+            t0 = time.time()
+            toks = gradient_accumulation_steps * batch_size * world * (n * chunk_size + idx.shape[1])
+            flops = step_flops(raw, n, idx.shape[1]) * gradient_accumulation_steps * batch_size
+            print(f"iter {iter_num}: loss {loss.item():.4f}, lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, "
+                  f"{toks / dt_:,.0f} tok/s, mfu {100 * flops / dt_ / peak:.1f}%, chunks {n}, "
+                  f"{(time.time() - t_start) / 60:.1f} min", flush=True)
+    if ddp:
+        torch.distributed.destroy_process_group()
+
+
+def set_trainable(m, which):
+    upper, N, Mn = m.upper, m.upper.cfg.n_layers, m.scfg.n_lower
+    rules = {
+        "all": lambda n: True,
+        "cross": lambda n: ".cross_" in n,
+        "cross+top": lambda n: ".cross_" in n or (n.startswith("upper.layers.") and int(n.split(".")[2]) >= Mn)
+                               or n.startswith(("upper.norm", "upper.output")),
+        "upper": lambda n: n.startswith("upper."),
+    }
+    if which not in rules:
+        raise SystemExit(f"--train={which}: expected one of {sorted(rules)}")
+    for n, p in m.named_parameters():
+        p.requires_grad_(rules[which](n))
+
+
+def step_flops(m, n, T):
+    # FLOPs of one sample's forward+backward, the usual 6 x params x tokens plus attention (an estimate):
+    # lower: M layers over n*C context tokens (forward only when frozen); upper: all layers over T tokens
+    c = m.upper.cfg
+    per_layer = 2 * c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.dim * c.hidden_dim
+    lower_mult = 6 if any(p.requires_grad for p in m.lower_parameters()) else 2
+    lower = lower_mult * per_layer * m.scfg.n_lower * n * m.scfg.chunk_size
+    S = n * m.scfg.chunk_size // m.scfg.beta
+    upper = 6 * (per_layer * c.n_layers + c.dim * c.vocab_size) * T + 6 * c.n_layers * c.dim * T * T \
+        + 6 * m.scfg.n_lower * (2 * c.dim * c.dim + 2 * c.dim * S) * T
+    return lower + upper
+
+
+def peak_flops(dev_type, dt):
+    # the device's matmul peak, measured here (no hard-coded A100 number): a large matmul, best of 3
+    n = 4096 if dev_type == "cuda" else 1024
+    a = torch.randn(n, n, device=dev_type, dtype=dt if dev_type == "cuda" else torch.float32)
+    sync = torch.cuda.synchronize if dev_type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(4):
+        sync()
+        t = time.time()
+        for _ in range(4):
+            a @ a
+        sync()
+        best = min(best, (time.time() - t) / 4)
+    print(f"measured matmul peak: {2 * n**3 / best / 1e12:.2f} TFLOP/s ({dev_type}, {n}x{n}); MFU is against this")
+    return 2 * n**3 / best
+
+
+def memory_estimate(m, dt, dev):
+    # what training will need, printed before anything large is allocated on the device
+    c, s = m.upper.cfg, m.scfg
+    wbytes = 2 if dt in ("bfloat16", "float16") else 4
+    n_all = sum(p.numel() for p in m.parameters())
+    n_tr = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    act = batch_size * block_size * c.dim * wbytes * (c.n_layers * (2 if activation_checkpointing else 18)) \
+        + batch_size * block_size * c.vocab_size * 4 * 2
+    kv = batch_size * 2 * s.n_lower * n_chunks * (s.chunk_size // s.beta) * c.n_kv_heads * c.head_dim * wbytes
+    est = dict(weights=n_all * wbytes, grads=n_tr * wbytes, adam=n_tr * 8, activations=act, compressed_kv=kv)
+    print("memory estimate: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in est.items())
+          + f"; total {sum(est.values()) / 2**30:.1f} GiB on {dev}")
+
+
+if __name__ == "__main__":
+    main()
