@@ -27,17 +27,17 @@ from load_llama import ByteTokenizer, GPT2Tokenizer, Tokenizer, load_llama, toke
 # config: every name below can be overridden with --name=value
 out_dir = "out"
 init_from = "scratch"       # "scratch" | "resume" (from out_dir) | a LLaMA-2 folder in HF layout
-eval_interval = 100         # evaluate and checkpoint every this many iterations
-eval_iters = 4              # batches per eval setting
-log_interval = 10
+eval_interval = 500         # evaluate and checkpoint every this many iterations
+eval_iters = 8              # batches per eval setting
+log_interval = 100
 eval_only = False
 # data
-task = "mixed"              # "lm" | "passkey" | "mixed" (passkey + language modeling, like the paper's SFT mix)
+task = "passkey"            # "lm" | "passkey" | "mixed" (passkey + language modeling, like the paper's SFT mix)
 passkey_frac = 0.5          # share of passkey samples in "mixed"
 data_dir = ""               # a folder of .txt files; "" = the Python standard library's .py files
 tokenizer = "byte"          # "byte" | "gpt2" | a sentencepiece .model path (a LLaMA-2 folder brings its own)
 n_chunks = 4                # n: context chunks per training sample (X_C = n x C tokens)
-chunk_schedule = ""         # curriculum, e.g. "1:300,2:600": 1 chunk until iter 300, 2 until 600, then n_chunks
+chunk_schedule = "1:1000,2:2000"   # curriculum: 1 chunk until iter 1000, 2 until 2000, then n_chunks ("" = off)
 block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)
 eval_chunks = "4,16"        # chunk counts evaluated
 # model: preset for scratch, SharedLLM settings always
@@ -46,7 +46,7 @@ n_lower = 2                 # M: lower-model layers = cross-attention layers
 chunk_size = 128            # C
 height = 3                  # tree height h
 beta = 8                    # compression: C / KVs kept per chunk
-policy = "right"            # "right" | "query"
+policy = "query"            # "right" | "query" (query: the passkey question steers each tree toward the key)
 keep = "last"               # "last" | "first" token of each stride window
 noise = 5.0                 # training split noise: sigma = l / noise; 0 = off
 chunk_ids = True            # chunk-level position ids
@@ -57,7 +57,7 @@ activation_checkpointing = False
 # optimizer
 batch_size = 16
 gradient_accumulation_steps = 1
-max_iters = 1000
+max_iters = 3500
 learning_rate = 3e-3
 min_lr = 3e-4
 warmup_iters = 50
@@ -266,6 +266,8 @@ def main():
             sync = nullcontext() if not ddp or micro == gradient_accumulation_steps - 1 else model.no_sync()
             with sync, autocast:
                 _, loss = model(ctx, idx, tgt, ql)
+            if not torch.isfinite(loss):
+                raise SystemExit(f"iter {iter_num}: loss is {loss.item()}; lower --learning_rate or use --dtype=float32")
             (loss / gradient_accumulation_steps).backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
