@@ -44,6 +44,9 @@ def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10):
         if not os.path.exists(path + ".offsets.npy"):
             docs = [tok.encode(open(f, encoding="utf-8", errors="replace").read(), bos=True)
                     for i, f in enumerate(files) if (i % val_every == val_every - 1) == (split == "val")]
+            if not docs:
+                raise ValueError(f"{data_dir or 'the standard library'}: {len(files)} documents leave the {split} split "
+                                 f"empty (every {val_every}th document is held out for validation)")
             offsets = np.cumsum([0] + [len(d) for d in docs])
             dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
             os.makedirs(cache_dir, exist_ok=True)

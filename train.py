@@ -58,6 +58,7 @@ activation_checkpointing = False
 batch_size = 16
 gradient_accumulation_steps = 1
 max_iters = 3500
+stop_iter = 0               # stop (checkpointed) at this iteration without changing the schedule; 0 = run to max_iters
 learning_rate = 3e-3
 min_lr = 3e-4
 warmup_iters = 50
@@ -247,7 +248,7 @@ def main():
     raw.train()
     t0, t_start = time.time(), time.time()
     while True:
-        last = iter_num >= max_iters
+        last = iter_num >= max_iters or 0 < stop_iter <= iter_num
         if (iter_num % eval_interval == 0 or last) and master and (iter_num > 0 or eval_only):
             res = evaluate()
             print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)

@@ -1,0 +1,125 @@
+# train.py and data.py: config parsing, samples, overfitting, exact resume, the LLaMA-2 path, DDP over gloo.
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+import model as M
+from conftest import ROOT, SHARED_TOKENIZERS, make_hf_checkpoint
+from load_llama import ByteTokenizer
+
+MICRO = ["--preset=micro", "--n_lower=1", "--chunk_size=32", "--n_chunks=2", "--chunk_schedule=", "--block_size=48",
+         "--batch_size=2", "--eval_iters=1", "--eval_chunks=2", "--log_interval=1", "--device=cpu"]
+
+
+def run(args, cwd, ok=True, cmd=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    r = subprocess.run((cmd or [sys.executable, os.path.join(ROOT, "train.py")]) + args, cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert (r.returncode == 0) == ok, r.stdout[-2000:] + r.stderr[-2000:]
+    return r.stdout + r.stderr
+
+
+def test_config_errors(tmp_path):
+    assert "unknown setting 'lerning_rate'" in run(["--lerning_rate=1"], tmp_path, ok=False)
+    assert "--max_iters=ten: expected a int" in run(["--max_iters=ten"], tmp_path, ok=False)
+    assert "--chunk_ids=maybe: expected a bool" in run(["--chunk_ids=maybe"], tmp_path, ok=False)
+    assert "bad argument 'max_iters'" in run(["max_iters"], tmp_path, ok=False)
+    assert "--train=lower: expected one of" in run(MICRO + ["--train=lower", "--max_iters=1"], tmp_path, ok=False)
+    out = run(["--help"], tmp_path)
+    assert "learning_rate = 3e-3" in out and "chunk_schedule" in out
+
+
+def test_lm_sample_is_one_document_in_order(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("".join(f"<{i:04d}>" for i in range(400)))     # 2400 bytes, every position unique
+    (docs / "b.txt").write_text("b" * 3000)
+    tok = ByteTokenizer()
+    splits = data.prepare(tok, str(docs), str(tmp_path / "cache"), val_every=2)
+    rng = random.Random(0)
+    for _ in range(20):
+        ctx, idx, tgt, _ = data.lm_sample(splits["train"], rng, 3, 64, 40)
+        window = torch.cat([ctx.flatten(), idx, tgt[-1:]])
+        text = tok.decode(window.tolist())
+        assert text in (docs / "a.txt").read_text() or text in (docs / "b.txt").read_text()   # never across documents
+        assert torch.equal(idx[1:], tgt[:-1])                                      # X_D then its next tokens
+    with pytest.raises(ValueError, match="no document has 10001 tokens"):
+        data.lm_sample(splits["train"], rng, 100, 100, 0)
+    with pytest.raises(ValueError, match="2 documents leave the val split empty"):
+        data.prepare(tok, str(docs), str(tmp_path / "cache2"))
+
+
+def test_passkey_sample():
+    tok = ByteTokenizer()
+    rng = random.Random(0)
+    for depth in (0.0, 0.3, 0.77, 1.0):
+        ctx, idx, tgt, qlen = data.passkey_sample(tok, rng, 4, 128, depth=depth, key=12345)
+        text = tok.decode(ctx.flatten().tolist())
+        assert ctx.shape == (4, 128) and text.count("12345") == 2                  # needle wholly inside X_C
+        at = text.index("The pass key is 12345")
+        assert at == round(depth * (512 - 1 - len("The pass key is 12345. Remember it. 12345 is the pass key. ")))  # BOS is not text
+        assert "12345" not in tok.decode(idx.tolist()[: qlen - 1])                 # nothing in the question gives it away
+        scored = (tgt != -100).nonzero().flatten().tolist()
+        assert tok.decode(tgt[scored].tolist()) == "12345" and scored == list(range(qlen - 1, qlen + 4))
+        assert tok.decode(idx[:qlen].tolist()) == data.QUESTION
+
+
+def test_fixed_batch_overfits():
+    torch.manual_seed(0)
+    s = M.SharedLLM.from_llama(M.Llama(M.preset("micro")), n_lower=1, chunk_size=32, height=3, beta=4).eval()  # no split noise
+    batch = data.get_batch("passkey", 4, random.Random(0), ByteTokenizer(), None, 2, 32, None)
+    opt = torch.optim.AdamW(s.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(150):
+        _, loss = s(*batch[:3], query_len=batch[3])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > 4.0 and losses[-1] < 0.01, (losses[0], losses[-1])   # memorised: 5.5 -> 0.002 here
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    common = MICRO + ["--max_iters=6", "--eval_interval=3", "--warmup_iters=2"]
+    out = run(common + [f"--out_dir={full}"], tmp_path)
+    assert "eval iter 6: passkey@2" in out and "tok/s" in out and "mfu" in out
+    run(common + [f"--out_dir={part}", "--stop_iter=3"], tmp_path)
+    assert torch.load(os.path.join(part, "ckpt.pt"), weights_only=False)["iter_num"] == 3
+    run(common + [f"--out_dir={part}", "--init_from=resume"], tmp_path)
+    a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=False)
+    b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=False)
+    assert a["iter_num"] == b["iter_num"] == 6
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert not os.path.exists(os.path.join(full, "ckpt.pt.tmp"))
+
+
+def test_llama2_path_on_tiny_random_checkpoint(tmp_path):
+    spm = os.path.join(SHARED_TOKENIZERS, "llama-format", "tokenizer.model")
+    if not os.path.isfile(spm):
+        pytest.skip("shared tokenizer files not present")
+    ck = tmp_path / "llama"
+    make_hf_checkpoint(ck, vocab=32000)
+    shutil.copy(spm, ck / "tokenizer.model")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(10):
+        (docs / f"{i}.txt").write_text(" ".join(f"word{j} of document {i}." for j in range(400)))
+    out = run(["--init_from=" + str(ck), "--train=cross", "--task=lm", f"--data_dir={docs}", "--n_lower=1", "--chunk_size=32",
+               "--n_chunks=2", "--chunk_schedule=", "--block_size=48", "--batch_size=2", "--max_iters=3", "--eval_interval=3",
+               "--eval_iters=1", "--eval_chunks=2", "--device=cpu", f"--out_dir={tmp_path / 'out'}"], tmp_path)
+    assert "memory estimate: weights" in out and "eval iter 3: lm_loss@2" in out
+    assert "trainable 8,256 / frozen" in out    # cross-attention only: (norm 64 + wq 64x64 + wo 64x64) x 1 layer
+
+
+def test_ddp_over_gloo_two_processes(tmp_path):
+    out = run(MICRO + ["--max_iters=4", "--eval_interval=4", f"--out_dir={tmp_path / 'out'}"], tmp_path,
+              cmd=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", os.path.join(ROOT, "train.py")])
+    assert "2 process(es)" in out and "eval iter 4" in out
