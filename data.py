@@ -14,7 +14,6 @@ import glob
 import hashlib
 import json
 import os
-import random
 import sysconfig
 
 import numpy as np
@@ -38,6 +37,7 @@ def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10):
     files = corpus_files(data_dir)
     sig = json.dumps([tok.spec, [(f, os.path.getsize(f)) for f in files]], sort_keys=True)
     key = hashlib.sha1(sig.encode()).hexdigest()[:12]
+    dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
     out = {}
     for split in ("train", "val"):
         path = os.path.join(cache_dir, f"{key}_{split}")
@@ -48,7 +48,6 @@ def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10):
                 raise ValueError(f"{data_dir or 'the standard library'}: {len(files)} documents leave the {split} split "
                                  f"empty (every {val_every}th document is held out for validation)")
             offsets = np.cumsum([0] + [len(d) for d in docs])
-            dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
             os.makedirs(cache_dir, exist_ok=True)
             arr = np.memmap(path + ".tmp", dtype=dtype, mode="w+", shape=(max(1, int(offsets[-1])),))
             arr[: offsets[-1]] = np.concatenate(docs) if docs else []
@@ -57,7 +56,6 @@ def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10):
             np.save(path + ".offsets.npy", offsets)   # written last: its presence means the cache is complete
             print(f"prepared {split}: {len(docs)} documents, {offsets[-1]:,} tokens -> {path}.bin")
         offsets = np.load(path + ".offsets.npy")
-        dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
         out[split] = (np.memmap(path + ".bin", dtype=dtype, mode="r"), offsets)
     return out
 

@@ -102,9 +102,9 @@ def our_name(hf_name):
 def load_llama(ckpt_dir, device="cpu", dtype=torch.float32):
     cfg = config_from_hf(ckpt_dir)
     tok_path = os.path.join(ckpt_dir, "tokenizer.model")
-    if os.path.isfile(tok_path) and Tokenizer(tok_path).vocab_size != cfg.vocab_size:
-        raise ValueError(f"{tok_path} has {Tokenizer(tok_path).vocab_size} pieces but config.json says "
-                         f"vocab_size={cfg.vocab_size}")
+    n_pieces = Tokenizer(tok_path).vocab_size if os.path.isfile(tok_path) else cfg.vocab_size
+    if n_pieces != cfg.vocab_size:
+        raise ValueError(f"{tok_path} has {n_pieces} pieces but config.json says vocab_size={cfg.vocab_size}")
     with torch.device("meta"):   # no memory for the random init: every parameter is replaced by a loaded tensor
         model = Llama(cfg)
     expected = dict(model.state_dict())

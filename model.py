@@ -18,7 +18,6 @@ References: the paper (Sec. 3, Eq. 1-3, Algorithm 1); Meta's LLaMA-2 and Hugging
 """
 import copy
 import math
-import random
 from dataclasses import dataclass, field
 
 import torch

@@ -288,7 +288,7 @@ def main():
 
 
 def set_trainable(m, which):
-    upper, N, Mn = m.upper, m.upper.cfg.n_layers, m.scfg.n_lower
+    Mn = m.scfg.n_lower
     rules = {
         "all": lambda n: True,
         "cross": lambda n: ".cross_" in n,

@@ -147,7 +147,7 @@ if __name__ == "__main__":
     print(f"\npolicy 'query' steered toward token {needle} (the query resembles that part of the chunk):")
     print(describe(search(1, C, h, beta, decide)[0], C))
 
-    print(f"\ntraining-time noise (sigma = l/5), one eps per level shared by all chunks, seed 0:")
+    print("\ntraining-time noise (sigma = l/5), one eps per level shared by all chunks, seed 0:")
     print(describe(search(1, C, h, beta, noise=5.0, rng=random.Random(0))[0], C))
 
     print("\nother shapes (beta as measured):")

@@ -1,5 +1,4 @@
 # LLaMA-2 parity with transformers, RoPE, attention backends and KV-cached decoding.
-import math
 import os
 
 import pytest

@@ -24,7 +24,7 @@ def test_paper_example():
 def test_spans_partition_and_budget(C, h, beta):
     rng = random.Random(0)
     for noise in (0.0, 5.0, 10.0):
-        for trial in range(5):
+        for _ in range(5):
             decide = lambda level, lefts, rights: [rng.random() < 0.5 for _ in lefts]
             trees = tree.search(4, C, h, beta, decide, noise=noise, rng=rng)
             kept = [sorted((n.level, n.kept) for n in nodes) for nodes in trees]
