@@ -143,6 +143,13 @@ def attention(q, k, v, causal, backend=None):
     return (att.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
+class KeepKV:
+    # stands in for a KV cache in one forward pass and keeps that layer's K (after RoPE) and V: the compressor's output
+    def update(self, start, k, v):
+        self.k, self.v = k, v
+        return k, v
+
+
 class KVCache:
     # the upper model's self-attention keys/values during decoding, preallocated: (B, Hkv, max_len, hd)
     def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype):
@@ -282,9 +289,12 @@ class Llama(nn.Module):
         cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
         x, kvs = self.tok_embeddings(idx), []
         for i, layer in enumerate(self.layers[:n_layers]):
-            kvs.append(layer.attention.kv(layer.attention_norm(x), cos, sin))
-            if i < n_layers - 1:   # the last lower layer's output is never used: only its K/V
-                x = layer(x, cos, sin)
+            if i == n_layers - 1:   # the last lower layer's output is never used: only its K/V
+                kvs.append(layer.attention.kv(layer.attention_norm(x), cos, sin))
+            else:
+                keep = KeepKV()
+                x = layer(x, cos, sin, 0, keep)
+                kvs.append((keep.k, keep.v))
         return kvs
 
     def retrieval_vec(self, idx, last):
@@ -295,17 +305,20 @@ class Llama(nn.Module):
         return x[torch.arange(idx.shape[0], device=idx.device), last]   # (R, dim)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None, memory=None, eos_id=None):
+    def stream(self, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None, memory=None, eos_id=None):
+        # prefill idx (B, T), then yield one (B, 1) token at a time, decoding with the KV cache
         B, T = idx.shape
         caches = self.new_caches(B, T + max_new_tokens)
         logits, _ = self(idx, caches=caches, memory=memory)                           # prefill
         for pos in range(T, T + max_new_tokens):
             nxt = sample_next(logits[:, -1], temperature, top_k, top_p)
-            idx = torch.cat([idx, nxt], dim=1)
+            yield nxt
             if (eos_id is not None and (nxt == eos_id).all()) or pos == T + max_new_tokens - 1:
                 break
             logits, _ = self(nxt, start_pos=pos, caches=caches, memory=memory)        # one token at a time
-        return idx
+
+    def generate(self, idx, max_new_tokens, **sampling):
+        return torch.cat([idx, *self.stream(idx, max_new_tokens, **sampling)], dim=1)
 
 
 def sample_next(logits, temperature=0.0, top_k=None, top_p=None):
@@ -433,9 +446,8 @@ class SharedLLM(nn.Module):
                 q = self.upper.retrieval_vec(idx, last).repeat_interleave(n, dim=0)    # (B*n, dim)
 
             def decide(level, lefts, rights):   # each chunk compares the query with ITS OWN two children
-                with torch.no_grad():
-                    h_left = low.retrieval_vec(*gather_spans(rows, range(B * n), lefts))
-                    h_right = low.retrieval_vec(*gather_spans(rows, range(B * n), rights))
+                with torch.no_grad():   # both children of every tree in one batched call
+                    h_left, h_right = low.retrieval_vec(*gather_spans(rows, [*range(B * n)] * 2, lefts + rights)).chunk(2)
                 return (F.cosine_similarity(q, h_right, dim=-1) > F.cosine_similarity(q, h_left, dim=-1)).tolist()
         nodes = tree.search(B * n, C, s.height, s.beta, decide, s.noise if self.training else 0.0)
 

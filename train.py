@@ -33,7 +33,11 @@ log_interval = 100
 eval_only = False
 # data
 task = "passkey"            # "lm" | "passkey" | "mixed" (passkey + language modeling, like the paper's SFT mix)
-passkey_frac = 0.5          # share of passkey samples in "mixed"
+passkey_frac = 0.5          # share of passkey batches in "mixed" (each batch is one kind: the passkey's 5 scored
+                            # tokens are not drowned by a language-modeling sample's T scored tokens)
+lm_from = 0                 # in "mixed", language-modeling batches join at this iteration
+context_dropout = 0.0       # share of language-modeling batches trained without X_C, so the upper model also works
+                            # alone (a fair "without context" baseline; a pretrained LLaMA has that for free)
 data_dir = ""               # a folder of .txt files; "" = the Python standard library's .py files
 tokenizer = "byte"          # "byte" | "gpt2" | a sentencepiece .model path (a LLaMA-2 folder brings its own)
 n_chunks = 4                # n: context chunks per training sample (X_C = n x C tokens)
@@ -73,11 +77,11 @@ seed = 1337
 # -----------------------------------------------------------------------------
 
 
-def parse_overrides(argv, config):
-    # --name=value, type-checked against the default; unknown names are an error
+def parse_overrides(argv, config, script=__file__):
+    # --name=value, type-checked against the default; unknown names are an error. --help prints script's config block.
     for arg in argv:
         if arg in ("-h", "--help"):
-            src = open(__file__).read()
+            src = open(script).read()
             print(src[src.index("# config:"):src.index("# " + "-" * 77, src.index("# config:"))])
             sys.exit(0)
         if not arg.startswith("--") or "=" not in arg:
@@ -262,8 +266,13 @@ def main():
             g["lr"] = lr
         n = chunks_at(iter_num)
         for micro in range(gradient_accumulation_steps):
-            ctx, idx, tgt, ql = (t.to(dev) for t in data.get_batch(task, batch_size, rng, tok, splits, n, chunk_size,
+            kind = task
+            if task == "mixed":
+                kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"   # one kind per batch
+            ctx, idx, tgt, ql = (t.to(dev) for t in data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size,
                                                                    block_size, passkey_frac=passkey_frac))
+            if kind == "lm" and context_dropout > 0 and rng.random() < context_dropout:
+                ctx = None
             sync = nullcontext() if not ddp or micro == gradient_accumulation_steps - 1 else model.no_sync()
             with sync, autocast:
                 _, loss = model(ctx, idx, tgt, ql)

@@ -1,0 +1,224 @@
+"""
+Time and memory of SharedLLM against context length, side by side with full attention over the same tokens with the
+same weights; the paper's efficiency knobs (M, beta, tree height, retrieval policy) at one length; and how close the
+compression pass runs to this machine's measured matmul peak.
+
+  python bench.py                     # the tiny preset, 4K..128K context tokens (README "Efficiency")
+  python bench.py --quick=True        # a smoke run, under a minute
+  python bench.py --init_from=out --out=bench.json
+"""
+import ctypes
+import json
+import resource
+import sys
+import time
+
+import torch
+
+import model as M
+import tree
+from load_llama import load_sharedllm
+from train import parse_overrides, peak_flops
+
+# -----------------------------------------------------------------------------
+# config: every name below can be overridden with --name=value
+init_from = ""              # "" = a random model of `preset`; or a train.py out_dir / LLaMA-2 folder
+preset = "tiny"
+lengths = "4096,8192,16384,32768,65536,131072"   # context tokens X_C swept (each a multiple of chunk_size)
+block_size = 256            # T: running-text tokens X_D
+n_lower = 2                 # M
+chunk_size = 1024           # C (the paper's)
+height = 3
+beta = 8
+policy = "right"            # the length sweep's policy (the paper's Figure 3 is language modeling)
+knob_length = 32768         # context tokens for the M / beta / height / policy tables
+repeats = 5                 # timed repeats (median) after one warm-up
+full_budget_s = 60.0        # skip full attention at lengths predicted to take longer than this per forward
+full_budget_mb = 16384.0    # ... or to need more memory than this
+quick = False               # smoke run: two short lengths, one repeat, small knob tables
+out = ""                    # write the results as JSON here
+device = "auto"
+dtype = "auto"
+seed = 1337
+# -----------------------------------------------------------------------------
+
+
+def sync(dev):
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def reset_peak(dev):
+    # CUDA: the allocator's peak; CPU: the kernel's peak-RSS counter (Linux: writing 5 to clear_refs resets VmHWM)
+    if dev.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / 2**20
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)    # hand freed heap back first, so the baseline is what is in use
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return rss_mb("VmRSS")
+
+
+def rss_mb(field):
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_mb(dev):
+    return torch.cuda.max_memory_allocated() / 2**20 if dev.startswith("cuda") else rss_mb("VmHWM")
+
+
+@torch.no_grad()
+def measure(fn, dev, reps):
+    # -> (median seconds, peak memory above what was held before, MB); one warm-up call first
+    base = reset_peak(dev)
+    fn()
+    sync(dev)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync(dev)
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2], max(0.0, peak_mb(dev) - base)
+
+
+def compress_flops(m, n):
+    # useful FLOPs of compressing n chunks: every preserved node through the lower model on its own (projections,
+    # MLP, causal attention within the node); the last lower layer only needs its K and V projections
+    c, s = m.upper.cfg, m.scfg
+    kv = 2 * c.dim * 2 * c.n_kv_heads * c.head_dim
+    full = 2 * c.dim * 2 * c.n_heads * c.head_dim + kv + 2 * 3 * c.dim * c.hidden_dim
+    f = 0
+    for nd in tree.search(1, s.chunk_size, s.height, s.beta)[0]:
+        L = len(nd)
+        f += (s.n_lower - 1) * (full * L + 2 * L * L * c.n_heads * c.head_dim) + kv * L
+    return n * f
+
+
+def build(g, dev, dt, **over):
+    shared = dict(n_lower=g["n_lower"], chunk_size=g["chunk_size"], height=g["height"], beta=g["beta"], policy=g["policy"])
+    shared.update(over)
+    if g["init_from"]:
+        m, _, _ = load_sharedllm(g["init_from"], dev, dt, **{k: v for k, v in shared.items() if k != "n_lower"})
+        return m
+    torch.manual_seed(g["seed"])
+    cfg = M.preset(g["preset"])
+    if shared["n_lower"] > cfg.n_layers:    # the M table needs at least M layers: deepen the preset, say so
+        cfg = M.preset(g["preset"], n_layers=shared["n_lower"])
+    return M.SharedLLM(M.Llama(cfg), M.SharedConfig(**shared)).to(device=dev, dtype=dt).eval()
+
+
+def main(g):
+    dev = g["device"] if g["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dt = getattr(torch, g["dtype"] if g["dtype"] != "auto" else
+                 ("bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"))
+    if g["quick"]:
+        g.update(lengths="2048,4096", knob_length=4096, repeats=1)
+    try:
+        lengths = [int(x) for x in g["lengths"].split(",")]
+        m = build(g, dev, dt)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"bench.py: {e}") from None
+    C, T, c = m.scfg.chunk_size, g["block_size"], m.upper.cfg
+    if any(L % C for L in lengths + [g["knob_length"]]):
+        raise SystemExit(f"bench.py: --lengths={g['lengths']} / --knob_length={g['knob_length']}: each must be a "
+                         f"multiple of chunk_size C = {C}")
+    name = torch.cuda.get_device_name() if dev.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"device {name}, {dt}; model {g['init_from'] or g['preset']}: {c.n_layers} layers, dim {c.dim}, "
+          f"heads {c.n_heads}/{c.n_kv_heads}; {m.scfg}; X_D = {T} tokens; median of {g['repeats']}")
+    peak = peak_flops("cuda" if dev.startswith("cuda") else "cpu", dt)
+    gen = torch.Generator().manual_seed(g["seed"])
+    wbytes = torch.finfo(dt).bits // 8
+
+    def inputs(L):
+        ctx = torch.randint(0, c.vocab_size, (1, L // C, C), generator=gen).to(dev)
+        return ctx, torch.randint(0, c.vocab_size, (1, T), generator=gen).to(dev)
+
+    # 1. length sweep: SharedLLM (compress + upper over X_D) vs full causal attention over X_C + X_D
+    print(f"\n{'context':>9} {'SharedLLM s':>12} {'full attn s':>12} {'speedup':>8} {'Shared MB':>10} {'full MB':>9} "
+          f"{'KV cache MB':>11} {'compress':>9} {'% peak':>7}")
+    sweep, last_full = [], None
+    for L in lengths:
+        ctx, idx = inputs(L)
+        s_t, s_mb = measure(lambda: m(ctx, idx), dev, g["repeats"])
+        k_t, _ = measure(lambda: m.compress(ctx, idx), dev, g["repeats"])
+        pct = 100 * compress_flops(m, L // C) / k_t / peak
+        f_t = f_mb = None
+        skip = ""
+        if last_full is not None:   # attention is quadratic: predict from the previous length before running
+            (L0, t0, mb0) = last_full
+            if t0 * ((L + T) / (L0 + T)) ** 2 > g["full_budget_s"]:
+                skip = f"skipped: ~{t0 * ((L + T) / (L0 + T)) ** 2:.0f} s > budget {g['full_budget_s']:.0f} s"
+            elif mb0 * (L + T) / (L0 + T) > g["full_budget_mb"]:
+                skip = f"skipped: ~{mb0 * (L + T) / (L0 + T):.0f} MB > budget {g['full_budget_mb']:.0f} MB"
+        if not skip:
+            full = torch.cat([ctx.flatten(1), idx], dim=1)        # (1, L + T): the same tokens, one sequence
+            try:
+                reps = g["repeats"] if last_full is None or last_full[1] * g["repeats"] < g["full_budget_s"] else 1
+                f_t, f_mb = measure(lambda: m.upper(full), dev, reps)
+                last_full = (L, f_t, f_mb)
+            except torch.OutOfMemoryError:
+                skip = "out of memory"
+        kv_mb = 2 * m.scfg.n_lower * (L // C) * sum(nd.kept for nd in tree.search(1, C, m.scfg.height, m.scfg.beta)[0]) \
+            * c.n_kv_heads * c.head_dim * wbytes / 2**20
+        sweep.append(dict(context_tokens=L, sharedllm_s=s_t, full_attention_s=f_t, sharedllm_peak_mb=s_mb,
+                          full_attention_peak_mb=f_mb, compressed_kv_mb=kv_mb, compress_s=k_t, compress_pct_of_peak=pct,
+                          full_attention_note=skip or None))
+        fa = f"{f_t:12.3f}" if f_t is not None else f"{'-':>12}"
+        print(f"{L:9,d} {s_t:12.4f} {fa} {f'{f_t / s_t:7.1f}x' if f_t else '-':>8} {s_mb:10.1f} "
+              f"{f'{f_mb:.1f}' if f_mb is not None else '-':>9} {kv_mb:11.2f} {k_t:9.4f} {pct:6.1f}%  {skip}", flush=True)
+
+    # 2. the appendix's knobs at one length
+    L = g["knob_length"]
+    ctx, idx = inputs(L)
+    knobs = {}
+    tables = [("n_lower", (1, 2) if g["quick"] else (1, 2, 4, 8)), ("beta", (1, 8, 64) if g["quick"] else (1, 2, 4, 8, 16, 32, 64)),
+              ("height", (1, 3) if g["quick"] else (1, 2, 3, 4)), ("policy", ("right", "query"))]
+    print(f"\nknobs at {L:,} context tokens (others as above):")
+    base = m.scfg
+    for knob, values in tables:
+        rows = []
+        for v in values:
+            if knob == "n_lower" and g["init_from"]:
+                print("  n_lower: fixed by the checkpoint's cross-attention layers; use the preset for this table")
+                break
+            try:
+                mk = build(g, dev, dt, n_lower=v) if knob == "n_lower" else m
+                mk.scfg = M.SharedConfig(**{**base.__dict__, knob: v})
+                t, mb = measure(lambda: mk(ctx, idx), dev, g["repeats"])
+            except ValueError as e:
+                print(f"  {knob} = {v}: not possible ({e})")
+                continue
+            finally:
+                m.scfg = base
+            layers = mk.upper.cfg.n_layers
+            rows.append(dict(value=v, seconds=t, peak_mb=mb, n_layers=layers))
+            print(f"  {knob} = {v!s:6} {t:9.4f} s {mb:9.1f} MB" + (f"   ({layers} layers)" if knob == "n_lower" else ""))
+        knobs[knob] = rows
+    pol = {r["value"]: r["seconds"] for r in knobs["policy"]}
+    overhead = 100 * (pol["query"] / pol["right"] - 1)
+    print(f"  query-aware retrieval adds {overhead:.1f}% over 'right' at {L:,} context tokens, X_D = {T}")
+    big = [r for r in sweep if r["context_tokens"] >= 32768] or sweep[-1:]
+    pct = min(r["compress_pct_of_peak"] for r in big)
+    print(f"compression pass: at least {pct:.1f}% of the measured matmul peak ({peak / 1e12:.2f} TFLOP/s) at "
+          f"{big[0]['context_tokens']:,}+ context tokens")
+    res = dict(device=name, dtype=str(dt), config=g, matmul_peak_tflops=peak / 1e12, length_sweep=sweep,
+               retrieval_overhead_pct=overhead, compress_pct_of_peak=pct, knobs=knobs)
+    if g["out"]:
+        with open(g["out"], "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {g['out']}")
+    return res
+
+
+if __name__ == "__main__":
+    config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    parse_overrides(sys.argv[1:], config, __file__)
+    main(config)

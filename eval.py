@@ -1,0 +1,259 @@
+"""
+Measure a SharedLLM the way the paper does, with the protocol printed next to every number.
+
+  python eval.py --task=ppl         # perplexity with vs without the compressed context, at several chunk counts
+  python eval.py --task=passkey     # exact match over context lengths x key depths, with an ASCII heatmap
+  python eval.py --task=ablations   # the paper's Table 5 rows, as inference-time changes to one checkpoint
+  python eval.py --task=passkey --policy=right --out=right.json    # any ablation flag, any task; JSON out
+
+ppl (the paper's last-K protocol, SharedLLM/CEPE eval_lm): a window is n chunks of C tokens (X_C) and then T tokens
+(X_D), all from one document; only the last K tokens of X_D are scored; windows advance by K. Every chunk count
+scores the very same tokens (the windows are placed for the largest count), with and without the context;
+perplexity = exp(mean over windows of the window's mean loss).
+passkey: the key's tokens must all be the argmax given the correct prefix, which is exactly greedy decoding
+producing the key.
+"""
+import json
+import math
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+
+import data
+from load_llama import load_sharedllm
+from train import parse_overrides
+
+# -----------------------------------------------------------------------------
+# config: every name below can be overridden with --name=value
+init_from = "out"           # a train.py out_dir (or its ckpt.pt), or a LLaMA-2 folder in HF layout
+task = "ppl"                # "ppl" | "passkey" | "ablations"
+chunks = ""                 # chunk counts, e.g. "4,16,64,256"; "" = 1x, 4x, 16x, 64x the training n_chunks
+block_size = 0              # T: X_D tokens; 0 = as trained
+score_last = 0              # K: scored tokens at the end of X_D; 0 = T // 2
+max_windows = 64            # ppl windows, spread evenly over the validation documents
+data_dir = ""               # as in train.py ("" = the standard library's .py files; validation split)
+depths = "0,0.25,0.5,0.75,1"    # passkey depths: 0 = key at the start of the context, 1 = at its end
+samples = 32                # passkey samples per (chunk count, depth) cell
+batch_size = 8
+# ablations: inference-time SharedLLM settings (0 / "" = as trained); noise and M need their own training run
+height = 0                  # tree height h
+beta = 0                    # compression C / KVs kept per chunk
+policy = ""                 # "right" (retrieval off) | "query"
+chunk_ids = ""              # "on" | "off"
+keep = ""                   # "last" | "first" token of each stride window
+compare = ""                # ablations: more rows from other checkpoints, "label=out_dir;label=out_dir" (noise off, M)
+n_lower = 0                 # M (LLaMA-2 folder only)
+chunk_size = 0              # C (LLaMA-2 folder only)
+out = ""                    # write the results as JSON here
+device = "auto"
+dtype = "auto"
+seed = 1337
+# -----------------------------------------------------------------------------
+
+
+def ppl_windows(split, n_max, C, T, K, max_windows):
+    # -> (document start, scored block start) pairs: the K scored tokens are [p, p+K), X_D = [p+K-T, p+K), and the
+    # X_C of n chunks is the n*C tokens before X_D; every window fits n_max chunks inside its own document.
+    tokens, offsets = split
+    cand = []
+    for d in range(len(offsets) - 1):
+        a, b = int(offsets[d]), int(offsets[d + 1])
+        first = a + n_max * C + T - K          # the first scored token with room for n_max chunks before X_D
+        cand += [(a, p) for p in range(first, b - K, K)]   # p + K targets need one more token: p + K <= b - 1
+    if not cand:
+        raise ValueError(f"no validation document has {n_max * C + T + 1} tokens ({n_max} chunks x {C} + T={T} + 1)")
+    pick = np.linspace(0, len(cand) - 1, min(max_windows, len(cand))).round().astype(int)
+    return [cand[i] for i in pick]
+
+
+@torch.no_grad()
+def score_ppl(model, split, windows, n, C, T, K, with_context, batch_size, dev):
+    # -> (perplexity, scored tokens): mean over windows of the mean NLL of the last K tokens of X_D
+    tokens = split[0]
+    losses, scored = [], 0
+    for i in range(0, len(windows), batch_size):
+        rows = [torch.from_numpy(tokens[p + K - T - n * C: p + K + 1].astype(np.int64)) for _, p in windows[i:i + batch_size]]
+        w = torch.stack(rows).to(dev)                                  # (B, n*C + T + 1)
+        ctx = w[:, : n * C].view(len(rows), n, C) if with_context and n > 0 else None
+        idx, tgt = w[:, n * C:-1], w[:, n * C + 1:]                     # (B, T) each
+        logits, _ = model(ctx, idx)
+        nll = torch.nn.functional.cross_entropy(logits[:, -K:].transpose(1, 2), tgt[:, -K:], reduction="none")
+        losses += nll.mean(1).tolist()                                 # (B,) one mean per window
+        scored += nll.numel()
+    return math.exp(sum(losses) / len(losses)), scored
+
+
+def run_ppl(model, splits, ns, C, T, K, g, dev):
+    windows = ppl_windows(splits["val"], max(ns), C, T, K, g["max_windows"])
+    print(f"ppl protocol: {len(windows)} windows from the validation documents (placed for {max(ns)} chunks, so "
+          f"every row scores the same tokens); X_D = T = {T} tokens, the last K = {K} scored per window")
+    print(f"{'chunks':>7} {'context tok':>11} {'windows':>7} {'scored tok':>10} {'ppl with':>9} {'ppl without':>11} {'ratio':>6}")
+    res = []
+    base = None
+    for n in ns:
+        t0 = time.time()
+        with_c, scored = score_ppl(model, splits["val"], windows, n, C, T, K, True, g["batch_size"], dev)
+        if base is None:   # without the context the upper model sees the same X_D: one number for every row
+            base, _ = score_ppl(model, splits["val"], windows, n, C, T, K, False, g["batch_size"], dev)
+        print(f"{n:7d} {n * C:11,d} {len(windows):7d} {scored:10,d} {with_c:9.4f} {base:11.4f} {with_c / base:6.3f}"
+              f"   ({time.time() - t0:.1f} s)")
+        res.append(dict(n_chunks=n, context_tokens=n * C, with_context=with_c, without_context=base,
+                        ratio=with_c / base, windows=len(windows), scored_tokens=scored, x_d_tokens=T, scored_per_window=K))
+    return res
+
+
+@torch.no_grad()
+def passkey_accuracy(model, tok, n, C, depth, samples, batch_size, seed, dev):
+    # exact match over `samples` haystacks (a fixed seed per cell, so every setting sees the same keys)
+    rng = random.Random(f"{seed}-{n}-{depth}")
+    hits = 0
+    for i in range(0, samples, batch_size):
+        b = [data.passkey_sample(tok, rng, n, C, depth=depth) for _ in range(min(batch_size, samples - i))]
+        ctx, idx, tgt, ql = (torch.stack(t).to(dev) if j < 3 else torch.tensor(t, device=dev) for j, t in enumerate(zip(*b)))
+        logits, _ = model(ctx, idx, query_len=ql)
+        scored = tgt != -100
+        hits += ((logits.argmax(-1) == tgt) | ~scored).all(-1).sum().item()
+    return hits / samples
+
+
+def heatmap(grid, ns, ds, C):
+    # rows: depths; columns: context lengths; a shade and the accuracy in percent
+    shades = " .:-=+*#%@"
+    lines = ["depth \\ context " + "".join(f"{n * C:>9,d}" for n in ns)]
+    for d in ds:
+        cells = "".join(f" {shades[min(9, int(grid[n, d] * 10))] * 3}{100 * grid[n, d]:4.0f}%" for n in ns)
+        lines.append(f"{d:>16.2f}{cells}")
+    lines.append(f"{'mean':>16}" + "".join(f"{100 * sum(grid[n, d] for d in ds) / len(ds):8.1f}%" for n in ns))
+    return "\n".join(lines)
+
+
+def run_passkey(model, tok, ns, C, g, dev, quiet=False):
+    ds = [float(x) for x in g["depths"].split(",")]
+    grid, res = {}, []
+    for n in ns:
+        for d in ds:
+            grid[n, d] = passkey_accuracy(model, tok, n, C, d, g["samples"], g["batch_size"], g["seed"], dev)
+            res.append(dict(n_chunks=n, context_tokens=n * C, depth=d, accuracy=grid[n, d], samples=g["samples"]))
+    if not quiet:
+        print(f"passkey: {g['samples']} haystacks per cell, exact match of all 5 digits (= greedy decoding); "
+              f"key at depth d of n chunks x C = {C} tokens")
+        print(heatmap(grid, ns, ds, C))
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            a = np.array([[grid[n, d] for n in ns] for d in ds])
+            plt.imshow(a, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+            plt.xticks(range(len(ns)), [f"{n * C}" for n in ns]), plt.yticks(range(len(ds)), ds)
+            plt.xlabel("context tokens"), plt.ylabel("depth"), plt.colorbar(label="exact match")
+            path = (g["out"] or "passkey.json").rsplit(".", 1)[0] + ".png"
+            plt.savefig(path, dpi=100)
+            print(f"heatmap image: {path}")
+        except ImportError:
+            pass
+    return res
+
+
+# Table 5 of the paper, as inference-time changes to one trained model (rows that need training say so)
+ABLATIONS = [("SharedLLM (as trained)", {}), ("height 2", {"height": 2}), ("height 4", {"height": 4}),
+             ("beta 1", {"beta": 1}), ("beta 4", {"beta": 4}), ("beta 16", {"beta": 16}),
+             ("retrieval off (policy right)", {"policy": "right"}), ("chunk ids off", {"chunk_ids": False}),
+             ("first of window", {"keep": "first"})]
+
+
+def run_ablations(model, tok, splits, ns, C, T, K, g, dev):
+    rows = [(name, model, over) for name, over in ABLATIONS]
+    for part in filter(None, g["compare"].split(";")):   # rows that need their own training run
+        if "=" not in part:
+            raise ValueError(f"--compare={g['compare']}: expected label=out_dir;label=out_dir")
+        label, path = part.split("=", 1)
+        other, other_tok, _ = load_sharedllm(path, dev, model.upper.output.weight.dtype)
+        if other.scfg.chunk_size != C or other_tok.spec != tok.spec:
+            raise ValueError(f"--compare: {path} has chunk_size {other.scfg.chunk_size} and tokenizer {other_tok.spec}; "
+                             f"expected {C} and {tok.spec}")
+        rows.append((label, other, {}))
+    ds = [float(x) for x in g["depths"].split(",")]
+    windows = ppl_windows(splits["val"], max(ns), C, T, K, g["max_windows"])
+    base, _ = score_ppl(model, splits["val"], windows, ns[0], C, T, K, False, g["batch_size"], dev)
+    print(f"ablations: passkey exact match (mean over depths {ds}, {g['samples']} haystacks each) and ppl with the "
+          f"context (last-K protocol: {len(windows)} windows, K = {K} of T = {T}; without context: {base:.4f})")
+    print(f"{'setting':<30}" + "".join(f"{'passkey@' + str(n):>12}" for n in ns) + "".join(f"{'ppl@' + str(n):>10}" for n in ns))
+    res = []
+    for name, m, over in rows:
+        trained = m.scfg
+        try:
+            m.scfg = type(trained)(**{**trained.__dict__, **over})   # inference-time settings: no weight changes
+        except ValueError as e:
+            print(f"{name:<30} not possible: {e}")
+            continue
+        row = dict(setting=name, overrides=over, without_context=base, results=[])
+        for n in ns:
+            acc = sum(passkey_accuracy(m, tok, n, C, d, g["samples"], g["batch_size"], g["seed"], dev) for d in ds) / len(ds)
+            ppl, _ = score_ppl(m, splits["val"], windows, n, C, T, K, True, g["batch_size"], dev)
+            row["results"].append(dict(n_chunks=n, context_tokens=n * C, passkey=acc, with_context=ppl))
+        m.scfg = trained
+        print(f"{name:<30}" + "".join(f"{100 * r['passkey']:11.1f}%" for r in row["results"])
+              + "".join(f"{r['with_context']:10.4f}" for r in row["results"]), flush=True)
+        res.append(row)
+    return res
+
+
+def main(g):
+    dev = g["device"] if g["device"] != "auto" else ("cuda" if torch.cuda.is_available() else
+                                                     "mps" if torch.backends.mps.is_available() else "cpu")
+    dt = g["dtype"] if g["dtype"] != "auto" else \
+        ("bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
+    if g["task"] not in ("ppl", "passkey", "ablations"):
+        raise SystemExit(f"eval.py: --task={g['task']}: expected ppl, passkey or ablations")
+    if g["chunk_ids"] not in ("", "on", "off"):
+        raise SystemExit(f"eval.py: --chunk_ids={g['chunk_ids']}: expected on or off")
+    shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "n_lower", "chunk_size") if g[k]}
+    if g["chunk_ids"]:
+        shared["chunk_ids"] = g["chunk_ids"] == "on"
+    torch.manual_seed(g["seed"])
+    try:
+        model, tok, train_cfg = load_sharedllm(g["init_from"], dev, getattr(torch, dt), **shared)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise SystemExit(f"eval.py: --init_from={g['init_from']}: {e}") from None
+    C = model.scfg.chunk_size
+    n_train = train_cfg.get("n_chunks", 4)
+    try:
+        ns = [int(x) for x in g["chunks"].split(",")] if g["chunks"] else [n_train * f for f in (1, 4, 16, 64)]
+        assert all(n >= 1 for n in ns)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"eval.py: --chunks={g['chunks']}: expected positive integers like 4,16,64") from None
+    T = g["block_size"] or train_cfg.get("block_size", 0)
+    if T <= 0:
+        raise SystemExit("eval.py: set --block_size (X_D tokens): the model folder does not say what it was trained with")
+    K = g["score_last"] or T // 2
+    if not 1 <= K <= T:
+        raise SystemExit(f"eval.py: --score_last={K}: expected 1..T={T}")
+    print(f"model {g['init_from']}: {model.upper.cfg.n_layers} layers, dim {model.upper.cfg.dim}; {model.scfg}")
+    print(f"device {dev}, {dt}; chunk counts {ns} (trained on {n_train})")
+    t0 = time.time()
+    try:
+        splits = data.prepare(tok, g["data_dir"]) if g["task"] != "passkey" else None
+        if g["task"] == "ppl":
+            res = run_ppl(model, splits, ns, C, T, K, g, dev)
+        elif g["task"] == "passkey":
+            res = run_passkey(model, tok, ns, C, g, dev)
+        else:
+            res = run_ablations(model, tok, splits, ns, C, T, K, g, dev)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"eval.py: {e}") from None
+    print(f"{g['task']} eval took {time.time() - t0:.1f} s")
+    if g["out"]:
+        with open(g["out"], "w") as f:
+            json.dump(dict(task=g["task"], config={**g, "shared": model.scfg.__dict__, "T": T, "K": K, "device": dev},
+                           results=res), f, indent=1)
+        print(f"wrote {g['out']}")
+    return res
+
+
+if __name__ == "__main__":
+    config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    parse_overrides(sys.argv[1:], config, __file__)
+    main(config)

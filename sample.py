@@ -1,0 +1,176 @@
+"""
+Answer from a compressed long context, nanoGPT's sample.py for SharedLLM. The context is cut into chunks of C
+tokens, each chunk's tree is built and compressed once by the lower model, the prompt is prefilled, and the answer
+is decoded token by token with the KV cache, streamed as it comes.
+
+  python sample.py                                        # after python train.py: a fresh passkey haystack
+  python sample.py --n_chunks=16 --show_tree=True         # a longer haystack, and what each tree kept
+  python sample.py --context=FILE:notes.txt --prompt="Q: ..." --max_new_tokens=64
+  python sample.py --init_from=/path/to/Llama-2-7b-hf --n_lower=4 --chunk_size=1024 --context=FILE:book.txt ...
+"""
+import os
+import random
+import re
+import resource
+import sys
+import time
+
+import torch
+
+import data
+import tree
+from load_llama import load_sharedllm
+from train import parse_overrides
+
+# -----------------------------------------------------------------------------
+# config: every name below can be overridden with --name=value
+init_from = "out"           # a train.py out_dir (or its ckpt.pt), or a LLaMA-2 folder in HF layout
+context = ""                # the long context X_C: a string, or FILE:path; "" = a passkey haystack (the default task)
+prompt = ""                 # the running text X_D (the question); "" = the passkey question
+n_chunks = 4                # the generated haystack's length in chunks (context="" only)
+key = 0                     # its 5-digit key; 0 = random
+depth = -1.0                # where the key sits, 0 = start .. 1 = end of the context; -1 = random
+max_new_tokens = 0          # 0 = the key's length for the haystack, else 64
+temperature = 0.0           # 0 = greedy
+top_k = 0                   # 0 = off
+top_p = 1.0                 # 1.0 = off
+show_tree = False           # print, per chunk, the path the query took and what each preserved node kept
+# SharedLLM settings at inference (0 / "" = as trained; for a LLaMA-2 folder, model.SharedConfig's defaults)
+n_lower = 0                 # M (LLaMA-2 folder only: a checkpoint's M is fixed by its cross-attention layers)
+chunk_size = 0              # C
+height = 0                  # tree height h
+beta = 0                    # compression C / KVs per chunk
+policy = ""                 # "right" | "query"
+device = "auto"             # "auto" = cuda, then mps, then cpu
+dtype = "auto"              # "auto" = bfloat16 on CUDA where supported, else float32
+seed = 1337
+# -----------------------------------------------------------------------------
+
+
+def free_memory_bytes(dev):
+    if dev.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(dev))[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def compress_bytes(model, n, wbytes):
+    # what compressing n chunks holds at its peak: one tree level's nodes (at most n*C tokens) through the lower
+    # model (hidden states, q/k/v, the MLP's 3 hidden-wide tensors, a few temporaries) plus the kept KVs
+    c, s = model.upper.cfg, model.scfg
+    per_token = wbytes * (8 * c.dim + 3 * c.hidden_dim + 2 * s.n_lower * c.n_kv_heads * c.head_dim)
+    return n * s.chunk_size * per_token
+
+
+def tree_path(nodes, C):
+    # which half the search expanded at each level, read back from the preserved nodes (one per level, two leaves)
+    lo, hi, path = 0, C, []
+    for nd in sorted(nodes, key=lambda nd: (nd.level, nd.start))[:-2]:
+        went_right = nd.start == lo
+        path.append("right" if went_right else "left")
+        lo, hi = (nd.end, hi) if went_right else (lo, nd.start)
+    return " -> ".join(path + [f"leaves [{lo}, {hi})"])
+
+
+def main(cfg):
+    g = cfg
+    dev = g["device"] if g["device"] != "auto" else ("cuda" if torch.cuda.is_available() else
+                                                     "mps" if torch.backends.mps.is_available() else "cpu")
+    dt = g["dtype"] if g["dtype"] != "auto" else \
+        ("bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
+    torch.manual_seed(g["seed"])
+    shared = {k: g[k] for k in ("n_lower", "chunk_size", "height", "beta", "policy") if g[k]}
+    try:
+        model, tok, train_cfg = load_sharedllm(g["init_from"], dev, getattr(torch, dt), **shared)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise SystemExit(f"sample.py: --init_from={g['init_from']}: {e}") from None
+    s = model.scfg
+    C = s.chunk_size
+
+    # the context X_C (n chunks of C tokens) and the prompt X_D
+    answer = None
+    if g["context"] == "":
+        rng = random.Random(g["seed"])
+        ctx, _, _, qlen = data.passkey_sample(tok, rng, g["n_chunks"], C, key=g["key"] or None,
+                                              depth=None if g["depth"] < 0 else g["depth"])
+        ids = ctx.flatten().tolist()
+        prompt_ids = tok.encode(g["prompt"] or data.QUESTION, bos=False)
+        text = tok.decode(ids)
+        answer = re.search(r"The pass key is (\d+)", text).group(1)
+        print(f"context: a passkey haystack, key {answer} at depth "
+              f"{text.index('The pass key is') / len(text):.2f} of {len(ids):,} tokens")
+    else:
+        text = g["context"]
+        if text.startswith("FILE:"):
+            if not os.path.isfile(text[5:]):
+                raise SystemExit(f"sample.py: --context={text}: no such file")
+            text = open(text[5:], encoding="utf-8", errors="replace").read()
+        if not text.strip():
+            raise SystemExit("sample.py: --context is empty; give a string or FILE:path")
+        ids = tok.encode(text, bos=True)
+        if not g["prompt"]:
+            raise SystemExit("sample.py: --prompt is empty; the running text X_D needs at least one token")
+        prompt_ids = tok.encode(g["prompt"], bos=False)
+    n = len(ids) // C
+    if n == 0:
+        raise SystemExit(f"sample.py: the context has {len(ids)} tokens; at least one chunk of C = {C} tokens is "
+                         f"needed (shorter text can go in --prompt)")
+    if len(ids) % C:   # the oldest tokens do not fill a chunk: say so rather than pad with made-up text
+        print(f"note: the first {len(ids) % C} context tokens do not fill a chunk of {C} and are left out")
+    ids = ids[len(ids) % C:]
+    need, free = compress_bytes(model, n, torch.finfo(getattr(torch, dt)).bits // 8), free_memory_bytes(dev)
+    if need > free:
+        raise SystemExit(f"sample.py: compressing {len(ids):,} context tokens ({n} chunks of {C}) needs about "
+                         f"{need / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB is free on {dev}: use a shorter context")
+    context_t = torch.tensor(ids, device=dev).view(1, n, C)     # (1, n, C)
+    idx = torch.tensor([prompt_ids], device=dev)                # (1, T)
+
+    # compress once; then prefill and decode with the KV cache, streaming the text
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            memory = model.compress(context_t, idx, torch.tensor([len(prompt_ids)], device=dev))
+    except torch.OutOfMemoryError:
+        raise SystemExit(f"sample.py: out of memory compressing {len(ids):,} tokens on {dev}: use a shorter context") from None
+    t_compress = time.perf_counter() - t0
+    kvs = memory.kv[0][0].shape[2]
+    print(f"context {len(ids):,} tokens = {n} chunks of C = {C} -> {kvs:,} compressed KVs per layer "
+          f"(beta {len(ids) / kvs:g}), M = {s.n_lower} layers, height {s.height}, policy {s.policy!r}; "
+          f"compressed in {t_compress * 1000:.0f} ms")
+    if g["show_tree"]:
+        kid = tok.encode(answer, bos=False) if answer else []
+        at_key = [p for p in range(len(ids) - len(kid) + 1) if kid and ids[p:p + len(kid)] == kid]
+        for c, nodes in enumerate(memory.nodes):
+            at = "".join(f"   <- the key's first mention: tokens [{p - c * C}, {p - c * C + len(kid)}) of this chunk"
+                         for p in at_key[:1] if c * C <= p < (c + 1) * C)
+            print(f"chunk {c} [{c * C}, {(c + 1) * C}): path {tree_path(nodes, C)}{at}")
+            print(tree.describe(nodes, C, s.keep))
+    new = g["max_new_tokens"] or (len(answer) if answer else 64)
+    print(f"prompt: {g['prompt'] or data.QUESTION!r}\n---")
+    sys.stdout.write(tok.decode(prompt_ids))
+    out, shown, t1 = [], "", None
+    t0 = time.perf_counter()
+    for nxt in model.upper.stream(idx, new, memory=memory, temperature=g["temperature"], top_k=g["top_k"] or None,
+                                  top_p=g["top_p"] if g["top_p"] < 1.0 else None, eos_id=tok.eos_id):
+        t1 = t1 or time.perf_counter()   # the first token comes after the prefill
+        out.append(nxt.item())
+        full = tok.decode(out).rstrip("\ufffd")   # hold back a character whose bytes have not all arrived yet
+        sys.stdout.write(full[len(shown):])
+        sys.stdout.flush()
+        shown = full
+    t_end = time.perf_counter()
+    shown = tok.decode(out)
+    print(shown[len(full):] + "\n---")
+    if answer:
+        print(f"expected {answer}: {'correct' if shown.startswith(answer) else 'wrong'}")
+    rate = (len(out) - 1) / (t_end - t1) if len(out) > 1 else float("nan")
+    peak = torch.cuda.max_memory_allocated() / 2**20 if dev.startswith("cuda") else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"{len(out)} tokens; prefill {(t1 - t0) * 1000:.0f} ms, decode {rate:.1f} tokens/s; peak memory {peak:,.0f} MB "
+          f"({'CUDA allocated' if dev.startswith('cuda') else 'process RSS'}); device {dev}, {dt}")
+    return out
+
+
+if __name__ == "__main__":
+    config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    parse_overrides(sys.argv[1:], config, __file__)
+    main(config)

@@ -1,0 +1,44 @@
+# bench.py: the --quick smoke run, its JSON shape, the full-attention budget, and the analytic numbers it reports.
+import json
+import os
+import sys
+
+import torch
+
+import bench
+import model as M
+from conftest import ROOT
+from test_train import run
+
+
+def test_bench_quick_json_and_budget(tmp_path):
+    out = run(["--quick=True", "--chunk_size=256", "--full_budget_s=1e-9", f"--out={tmp_path / 'b.json'}"], tmp_path,
+              cmd=[sys.executable, os.path.join(ROOT, "bench.py")])
+    assert "query-aware retrieval adds" in out and "skipped: ~" in out
+    r = json.load(open(tmp_path / "b.json"))
+    assert r["device"].startswith("cpu") and isinstance(r["retrieval_overhead_pct"], float)
+    assert isinstance(r["compress_pct_of_peak"], float) and r["compress_pct_of_peak"] > 0
+    first, second = r["length_sweep"]
+    assert first["context_tokens"] == 2048 and second["context_tokens"] == 4096
+    assert isinstance(first["full_attention_s"], float) and first["full_attention_peak_mb"] is not None
+    assert second["full_attention_s"] is None and second["full_attention_peak_mb"] is None   # over the budget: not run
+    assert "budget" in second["full_attention_note"]
+    for row in r["length_sweep"]:
+        assert row["sharedllm_s"] > 0 and row["sharedllm_peak_mb"] >= 0
+    assert [k["value"] for k in r["knobs"]["policy"]] == ["right", "query"]
+    err = run(["--lengths=1000"], tmp_path, ok=False, cmd=[sys.executable, os.path.join(ROOT, "bench.py")])
+    assert "--lengths=1000 / --knob_length=32768: each must be a multiple of chunk_size C = 1024" in err
+
+
+def test_compressed_kv_size_and_flops_match_the_model():
+    m = M.SharedLLM.from_llama(M.Llama(M.preset("tiny")), n_lower=2, chunk_size=256, height=3, beta=8).eval()
+    with torch.no_grad():
+        mem = m.compress(torch.randint(0, 258, (1, 3, 256)), torch.randint(0, 258, (1, 8)))
+    kv_bytes = sum(t.numel() * t.element_size() for K, V in mem.kv for t in (K, V))
+    assert kv_bytes == 2 * 2 * 3 * (256 // 8) * 2 * 16 * 4     # K,V x M x n x S x Hkv x hd x fp32
+    # FLOPs: layer 0 in full (q, k, v, o, MLP, causal attention within each node), layer 1 only k and v
+    c = m.upper.cfg
+    nodes = [128, 64, 32, 32]      # C=256, h=3: [0,128) [128,192) [192,224) [224,256)
+    full = 2 * 64 * 64 * 2 + 2 * 64 * 32 * 2 + 2 * 3 * 64 * c.hidden_dim
+    want = 3 * sum(full * L + 2 * L * L * 64 + 2 * 64 * 32 * 2 * L for L in nodes)
+    assert bench.compress_flops(m, 3) == want

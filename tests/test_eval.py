@@ -1,0 +1,166 @@
+# sample.py and eval.py: the ppl protocol's counts, a uniform model's perplexity, the passkey grid, greedy sampling
+# from a compressed context against full forwards, the scripts as subprocesses, and their errors on bad input.
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import eval as E
+import sample as S
+from conftest import ROOT
+from load_llama import ByteTokenizer, load_sharedllm
+from test_train import MICRO, run
+
+SCRIPTS = {name: [os.sys.executable, os.path.join(ROOT, name)] for name in ("sample.py", "eval.py")}
+
+
+@pytest.fixture(scope="module")
+def micro_ckpt(tmp_path_factory):
+    # a micro checkpoint from train.py, then its weights scaled up so greedy outputs vary and depend on the context
+    d = tmp_path_factory.mktemp("micro")
+    run(MICRO + ["--max_iters=2", "--eval_interval=2", f"--out_dir={d}", "--policy=query"], d)
+    ck = torch.load(d / "ckpt.pt", weights_only=False)
+    g = torch.Generator().manual_seed(0)
+    for k, v in ck["model"].items():
+        if v.dim() == 2:
+            ck["model"][k] = torch.randn(v.shape, generator=g) * 0.3
+    torch.save(ck, d / "ckpt.pt")
+    docs = d / "docs"
+    docs.mkdir()
+    for i in range(10):    # the 10th is the validation split
+        (docs / f"{i}.txt").write_text("".join(f"line {j} of file {i}: x{j % 7} = y{j % 5}\n" for j in range(120)))
+    return d
+
+
+def test_ppl_windows_count_and_stay_inside_documents():
+    offsets = np.array([0, 500, 580, 2000])                 # documents of 500, 80 and 1420 tokens
+    split = (np.arange(2000), offsets)
+    C, T, K = 16, 24, 8
+    wins = E.ppl_windows(split, 4, C, T, K, max_windows=10_000)
+    for a, p in wins:
+        b = offsets[np.searchsorted(offsets, a, side="right")]
+        assert p + K - T - 4 * C >= a and p + K + 1 <= b     # X_C of 4 chunks, X_D and the last target: one document
+    assert len(wins) == len(range(0 + 64 + 16, 500 - 8, 8)) + len(range(580 + 80, 2000 - 8, 8))   # doc 2 < 4*16+24+1
+    assert len(E.ppl_windows(split, 4, C, T, K, max_windows=7)) == 7
+    with pytest.raises(ValueError, match="no validation document has 1625 tokens"):
+        E.ppl_windows(split, 100, C, T, K, 10)
+
+
+class Uniform(torch.nn.Module):
+    # a model that gives every token the same logit: its perplexity is exactly the vocabulary size
+    def forward(self, ctx, idx, targets=None, query_len=None):
+        return torch.zeros(*idx.shape, 258), None
+
+
+def test_uniform_model_perplexity_is_vocab_size_and_exactly_k_tokens_are_scored():
+    split = (np.random.default_rng(0).integers(0, 258, 3000), np.array([0, 3000]))
+    wins = E.ppl_windows(split, 2, 32, 40, 10, max_windows=13)
+    for with_ctx in (True, False):
+        ppl, scored = E.score_ppl(Uniform(), split, wins, 2, 32, 40, 10, with_ctx, 4, "cpu")
+        assert abs(ppl - 258) < 1e-6 * 258   # fp32 log-softmax and scored == 13 * 10
+
+
+def test_ppl_scores_the_last_k_tokens_of_each_window(monkeypatch):
+    # a model that is sure of token t at every position: the loss is zero exactly where the target is t
+    split = (np.zeros(3000, dtype=np.int64), np.array([0, 3000]))
+    tokens = split[0]
+    wins = E.ppl_windows(split, 1, 32, 40, 10, max_windows=5)
+    for _, p in wins:
+        tokens[p - 20:p] = 7           # targets before the scored block: not scored, whatever they are
+
+    class Sure(torch.nn.Module):
+        def forward(self, ctx, idx, targets=None, query_len=None):
+            return torch.nn.functional.one_hot(torch.zeros_like(idx), 258).float() * 100, None
+    ppl, _ = E.score_ppl(Sure(), split, wins, 1, 32, 40, 10, True, 2, "cpu")
+    assert abs(ppl - 1.0) < 1e-6
+    tokens[wins[0][1] + 3] = 7         # one scored target wrong: the loss is 100 there, 1/10 of one window of 5
+    ppl, _ = E.score_ppl(Sure(), split, wins, 1, 32, 40, 10, True, 2, "cpu")
+    assert abs(np.log(ppl) - 100 / 10 / 5) < 1e-4
+
+
+def test_passkey_key_at_the_asked_depth_only_inside_the_context():
+    tok, rng = ByteTokenizer(), random.Random(0)
+    needle = len("The pass key is 54321. Remember it. 54321 is the pass key. ")
+    for n, depth in [(1, 0.0), (2, 0.5), (4, 0.9), (8, 1.0)]:
+        ctx, idx, tgt, ql = data.passkey_sample(tok, rng, n, 128, depth=depth, key=54321)
+        flat = ctx.flatten().tolist()
+        at = next(p for p in range(len(flat)) if tok.decode(flat[p:p + 15]) == "The pass key is")
+        assert at == 1 + round(depth * (n * 128 - needle - 1))      # 1: after BOS
+        assert at + needle <= n * 128                                  # wholly inside X_C
+        assert "54321" not in tok.decode(idx[:ql].tolist())
+
+
+def test_sample_greedy_equals_full_forward_greedy(micro_ckpt, capsys):
+    cfg = {k: v for k, v in vars(S).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    text = "".join(f"record {i}: value {i * 37 % 101}. " for i in range(12))
+    cfg.update(init_from=str(micro_ckpt), context=text, prompt="value of record 3?", max_new_tokens=12, device="cpu",
+               show_tree=True)
+    got = S.main(cfg)
+    printed = capsys.readouterr().out
+    model, tok, _ = load_sharedllm(str(micro_ckpt))
+    ids = tok.encode(text)
+    C = model.scfg.chunk_size
+    ids = ids[len(ids) % C:]
+    ctx = torch.tensor(ids).view(1, -1, C)
+    prompt = tok.encode(cfg["prompt"], bos=False)
+    idx, ql = torch.tensor([prompt]), torch.tensor([len(prompt)])
+    with torch.no_grad():
+        for _ in range(12):   # the query stays the prompt: the same trees as sample.py's single compression
+            nxt = model(ctx, idx, query_len=ql)[0][:, -1].argmax(-1, keepdim=True)
+            idx = torch.cat([idx, nxt], 1)
+        other = model(torch.roll(ctx, 40, dims=2), idx[:, :len(prompt)], query_len=ql)[0][:, -1].argmax(-1)
+    assert got == idx[0, len(prompt):].tolist()
+    assert len(set(got)) > 2 and other.item() != got[0]        # a varied answer that depends on the context
+    assert f"-> {ctx.shape[1] * C // 8} compressed KVs per layer" in printed and "path " in printed
+    assert "tokens/s" in printed and "peak memory" in printed
+
+
+def test_sample_and_eval_subprocesses(micro_ckpt, tmp_path):
+    out = run([f"--init_from={micro_ckpt}", "--n_chunks=3", "--device=cpu"], tmp_path, cmd=SCRIPTS["sample.py"])
+    assert "passkey haystack" in out and "expected " in out
+    common = [f"--init_from={micro_ckpt}", f"--data_dir={micro_ckpt / 'docs'}", "--device=cpu", "--batch_size=4"]
+    run(common + ["--task=ppl", "--chunks=1,2", "--max_windows=6", f"--out={tmp_path / 'ppl.json'}"], tmp_path,
+        cmd=SCRIPTS["eval.py"])
+    res = json.load(open(tmp_path / "ppl.json"))
+    assert res["task"] == "ppl" and res["config"]["K"] == 24 and [r["n_chunks"] for r in res["results"]] == [1, 2]
+    for r in res["results"]:
+        assert r["scored_tokens"] == 6 * 24 and r["context_tokens"] == 32 * r["n_chunks"]
+        assert isinstance(r["with_context"], float) and isinstance(r["without_context"], float)
+    out = run(common + ["--task=passkey", "--chunks=2,4", "--depths=0,1", "--samples=3", f"--out={tmp_path / 'pk.json'}"],
+              tmp_path, cmd=SCRIPTS["eval.py"])
+    assert "depth \\ context" in out
+    res = json.load(open(tmp_path / "pk.json"))
+    assert [(r["n_chunks"], r["depth"]) for r in res["results"]] == [(2, 0.0), (2, 1.0), (4, 0.0), (4, 1.0)]
+    assert all(r["accuracy"] in (0, 1 / 3, 2 / 3, 1) for r in res["results"])
+    out = run(common + ["--task=ablations", "--chunks=2", "--depths=0.5", "--samples=2", "--max_windows=2",
+                        f"--compare=again={micro_ckpt}"], tmp_path, cmd=SCRIPTS["eval.py"])
+    for row in ("height 2", "beta 16", "retrieval off", "chunk ids off", "first of window", "again"):
+        assert row in out
+
+
+def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path):
+    sample, ev = SCRIPTS["sample.py"], SCRIPTS["eval.py"]
+    assert "neither a train.py checkpoint (ckpt.pt) nor a LLaMA-2 folder" in run([f"--init_from={tmp_path}/nope"], tmp_path,
+                                                                                 ok=False, cmd=sample)
+    assert "neither a train.py checkpoint" in run([f"--init_from={tmp_path}/nope"], tmp_path, ok=False, cmd=ev)
+    assert "unknown setting 'temprature'" in run(["--temprature=1"], tmp_path, ok=False, cmd=sample)
+    assert "unknown setting 'chunk'" in run(["--chunk=4"], tmp_path, ok=False, cmd=ev)
+    ck = [f"--init_from={micro_ckpt}"]
+    assert "the context has 6 tokens; at least one chunk of C = 32" in run(ck + ["--context=short", "--prompt=q"], tmp_path,
+                                                                           ok=False, cmd=sample)
+    assert "--context is empty" in run(ck + ["--context=  ", "--prompt=q"], tmp_path, ok=False, cmd=sample)
+    assert "no such file" in run(ck + [f"--context=FILE:{tmp_path}/missing.txt"], tmp_path, ok=False, cmd=sample)
+    assert "M is fixed by the checkpoint" in run(ck + ["--n_lower=3"], tmp_path, ok=False, cmd=sample)
+    assert "--task=ppx: expected ppl, passkey or ablations" in run(ck + ["--task=ppx"], tmp_path, ok=False, cmd=ev)
+    assert "no validation document has" in run(ck + ["--chunks=1000", f"--data_dir={micro_ckpt / 'docs'}"], tmp_path,
+                                               ok=False, cmd=ev)
+    bad = torch.load(micro_ckpt / "ckpt.pt", weights_only=False)
+    bad["tokenizer"] = {"kind": "gpt2"}                 # 50,257 ids for a 258-token model
+    os.makedirs(tmp_path / "bad")
+    torch.save(bad, tmp_path / "bad" / "ckpt.pt")
+    out = run([f"--init_from={tmp_path / 'bad'}"], tmp_path, ok=False, cmd=sample)
+    assert "the checkpoint and tokenizer do not belong together" in out or "tiktoken could not load" in out
