@@ -91,14 +91,14 @@ def measure(fn, dev, reps):
 
 def compress_flops(m, n):
     # useful FLOPs of compressing n chunks: every preserved node through the lower model on its own (projections,
-    # MLP, causal attention within the node); the last lower layer only needs its K and V projections
+    # MLP, causal attention within the node); the last lower layer only projects the kept tokens' K and V
     c, s = m.upper.cfg, m.scfg
     kv = 2 * c.dim * 2 * c.n_kv_heads * c.head_dim
     full = 2 * c.dim * 2 * c.n_heads * c.head_dim + kv + 2 * 3 * c.dim * c.hidden_dim
     f = 0
     for nd in tree.search(1, s.chunk_size, s.height, s.beta)[0]:
         L = len(nd)
-        f += (s.n_lower - 1) * (full * L + 2 * L * L * c.n_heads * c.head_dim) + kv * L
+        f += (s.n_lower - 1) * (full * L + 2 * L * L * c.n_heads * c.head_dim) + kv * nd.kept
     return n * f
 
 
@@ -133,7 +133,8 @@ def main(g):
     name = torch.cuda.get_device_name() if dev.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
     print(f"device {name}, {dt}; model {g['init_from'] or g['preset']}: {c.n_layers} layers, dim {c.dim}, "
           f"heads {c.n_heads}/{c.n_kv_heads}; {m.scfg}; X_D = {T} tokens; median of {g['repeats']}")
-    peak = peak_flops("cuda" if dev.startswith("cuda") else "cpu", dt)
+    peak = peak_flops("cuda" if dev.startswith("cuda") else "cpu", dt, n=None if dev.startswith("cuda") else 2048,
+                      trials=8)
     gen = torch.Generator().manual_seed(g["seed"])
     wbytes = torch.finfo(dt).bits // 8
 

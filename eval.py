@@ -36,6 +36,7 @@ score_last = 0              # K: scored tokens at the end of X_D; 0 = T // 2
 max_windows = 64            # ppl windows, spread evenly over the validation documents
 data_dir = ""               # as in train.py ("" = the standard library's .py files; validation split)
 depths = "0,0.25,0.5,0.75,1"    # passkey depths: 0 = key at the start of the context, 1 = at its end
+depth_band = -1.0           # each key's depth is uniform within d +- band/2; -1 = the grid's spacing; 0 = exactly d
 samples = 32                # passkey samples per (chunk count, depth) cell
 batch_size = 8
 # ablations: inference-time SharedLLM settings (0 / "" = as trained); noise and M need their own training run
@@ -106,17 +107,27 @@ def run_ppl(model, splits, ns, C, T, K, g, dev):
 
 
 @torch.no_grad()
-def passkey_accuracy(model, tok, n, C, depth, samples, batch_size, seed, dev):
-    # exact match over `samples` haystacks (a fixed seed per cell, so every setting sees the same keys)
+def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, dev):
+    # exact match over `samples` haystacks, each key at a depth drawn uniformly from [depth - band/2, depth + band/2]
+    # (within 0..1): a single fixed position would test one alignment of the key with the stride windows only.
+    # A fixed seed per cell, so every setting sees the same keys and positions.
     rng = random.Random(f"{seed}-{n}-{depth}")
+    lo, hi = max(0.0, depth - band / 2), min(1.0, depth + band / 2)
     hits = 0
     for i in range(0, samples, batch_size):
-        b = [data.passkey_sample(tok, rng, n, C, depth=depth) for _ in range(min(batch_size, samples - i))]
+        b = [data.passkey_sample(tok, rng, n, C, depth=rng.uniform(lo, hi)) for _ in range(min(batch_size, samples - i))]
         ctx, idx, tgt, ql = (torch.stack(t).to(dev) if j < 3 else torch.tensor(t, device=dev) for j, t in enumerate(zip(*b)))
         logits, _ = model(ctx, idx, query_len=ql)
         scored = tgt != -100
         hits += ((logits.argmax(-1) == tgt) | ~scored).all(-1).sum().item()
     return hits / samples
+
+
+def band(g, ds):
+    # the depth band of one cell: --depth_band, or by default the grid's spacing (so the cells tile 0..1)
+    if g["depth_band"] >= 0:
+        return g["depth_band"]
+    return 1.0 if len(ds) < 2 else min(b - a for a, b in zip(sorted(ds), sorted(ds)[1:]))
 
 
 def heatmap(grid, ns, ds, C):
@@ -135,11 +146,12 @@ def run_passkey(model, tok, ns, C, g, dev, quiet=False):
     grid, res = {}, []
     for n in ns:
         for d in ds:
-            grid[n, d] = passkey_accuracy(model, tok, n, C, d, g["samples"], g["batch_size"], g["seed"], dev)
-            res.append(dict(n_chunks=n, context_tokens=n * C, depth=d, accuracy=grid[n, d], samples=g["samples"]))
+            grid[n, d] = passkey_accuracy(model, tok, n, C, d, band(g, ds), g["samples"], g["batch_size"], g["seed"], dev)
+            res.append(dict(n_chunks=n, context_tokens=n * C, depth=d, depth_band=band(g, ds), accuracy=grid[n, d],
+                            samples=g["samples"]))
     if not quiet:
         print(f"passkey: {g['samples']} haystacks per cell, exact match of all 5 digits (= greedy decoding); "
-              f"key at depth d of n chunks x C = {C} tokens")
+              f"key at depth d +- {band(g, ds) / 2:g} (uniform) of n chunks x C = {C} tokens")
         print(heatmap(grid, ns, ds, C))
         try:
             import matplotlib
@@ -164,23 +176,30 @@ ABLATIONS = [("SharedLLM (as trained)", {}), ("height 2", {"height": 2}), ("heig
              ("first of window", {"keep": "first"})]
 
 
-def run_ablations(model, tok, splits, ns, C, T, K, g, dev):
+def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
+    # columns for what the checkpoint was trained on: passkey accuracy, perplexity with the context, or both
+    pk, lm = trained_on in ("passkey", "mixed", ""), trained_on in ("lm", "mixed", "")
     rows = [(name, model, over) for name, over in ABLATIONS]
     for part in filter(None, g["compare"].split(";")):   # rows that need their own training run
         if "=" not in part:
             raise ValueError(f"--compare={g['compare']}: expected label=out_dir;label=out_dir")
-        label, path = part.split("=", 1)
+        label, path = part.rsplit("=", 1)   # the label may hold "=", the path rarely does
         other, other_tok, _ = load_sharedllm(path, dev, model.upper.output.weight.dtype)
         if other.scfg.chunk_size != C or other_tok.spec != tok.spec:
             raise ValueError(f"--compare: {path} has chunk_size {other.scfg.chunk_size} and tokenizer {other_tok.spec}; "
                              f"expected {C} and {tok.spec}")
         rows.append((label, other, {}))
     ds = [float(x) for x in g["depths"].split(",")]
-    windows = ppl_windows(splits["val"], max(ns), C, T, K, g["max_windows"])
-    base, _ = score_ppl(model, splits["val"], windows, ns[0], C, T, K, False, g["batch_size"], dev)
-    print(f"ablations: passkey exact match (mean over depths {ds}, {g['samples']} haystacks each) and ppl with the "
-          f"context (last-K protocol: {len(windows)} windows, K = {K} of T = {T}; without context: {base:.4f})")
-    print(f"{'setting':<30}" + "".join(f"{'passkey@' + str(n):>12}" for n in ns) + "".join(f"{'ppl@' + str(n):>10}" for n in ns))
+    print(f"ablations of a model trained on {trained_on or 'an unknown task'!r}, at {ns} chunks of C = {C}:")
+    if pk:
+        print(f"  passkey: exact match, mean over depths {ds} (+-{band(g, ds) / 2:g}), {g['samples']} haystacks each")
+    if lm:
+        windows = ppl_windows(splits["val"], max(ns), C, T, K, g["max_windows"])
+        base, _ = score_ppl(model, splits["val"], windows, ns[0], C, T, K, False, g["batch_size"], dev)
+        print(f"  ppl with the context, last-K protocol: {len(windows)} windows, K = {K} of T = {T} "
+              f"(the same tokens without the context: {base:.4f})")
+    print(f"{'setting':<30}" + "".join(f"{'passkey@' + str(n):>12}" for n in ns if pk)
+          + "".join(f"{'ppl@' + str(n):>10}" for n in ns if lm))
     res = []
     for name, m, over in rows:
         trained = m.scfg
@@ -189,14 +208,19 @@ def run_ablations(model, tok, splits, ns, C, T, K, g, dev):
         except ValueError as e:
             print(f"{name:<30} not possible: {e}")
             continue
-        row = dict(setting=name, overrides=over, without_context=base, results=[])
+        row = dict(setting=name, overrides=over, results=[])
         for n in ns:
-            acc = sum(passkey_accuracy(m, tok, n, C, d, g["samples"], g["batch_size"], g["seed"], dev) for d in ds) / len(ds)
-            ppl, _ = score_ppl(m, splits["val"], windows, n, C, T, K, True, g["batch_size"], dev)
-            row["results"].append(dict(n_chunks=n, context_tokens=n * C, passkey=acc, with_context=ppl))
+            r = dict(n_chunks=n, context_tokens=n * C)
+            if pk:
+                r["passkey"] = sum(passkey_accuracy(m, tok, n, C, d, band(g, ds), g["samples"], g["batch_size"],
+                                                    g["seed"], dev) for d in ds) / len(ds)
+            if lm:
+                r["with_context"], _ = score_ppl(m, splits["val"], windows, n, C, T, K, True, g["batch_size"], dev)
+                r["without_context"] = base
+            row["results"].append(r)
         m.scfg = trained
-        print(f"{name:<30}" + "".join(f"{100 * r['passkey']:11.1f}%" for r in row["results"])
-              + "".join(f"{r['with_context']:10.4f}" for r in row["results"]), flush=True)
+        print(f"{name:<30}" + "".join(f"{100 * r['passkey']:11.1f}%" for r in row["results"] if pk)
+              + "".join(f"{r['with_context']:10.4f}" for r in row["results"] if lm), flush=True)
         res.append(row)
     return res
 
@@ -235,13 +259,14 @@ def main(g):
     print(f"device {dev}, {dt}; chunk counts {ns} (trained on {n_train})")
     t0 = time.time()
     try:
-        splits = data.prepare(tok, g["data_dir"]) if g["task"] != "passkey" else None
+        needs_text = g["task"] == "ppl" or (g["task"] == "ablations" and train_cfg.get("task") != "passkey")
+        splits = data.prepare(tok, g["data_dir"]) if needs_text else None
         if g["task"] == "ppl":
             res = run_ppl(model, splits, ns, C, T, K, g, dev)
         elif g["task"] == "passkey":
             res = run_passkey(model, tok, ns, C, g, dev)
         else:
-            res = run_ablations(model, tok, splits, ns, C, T, K, g, dev)
+            res = run_ablations(model, tok, splits, ns, C, T, K, g, dev, train_cfg.get("task", ""))
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"eval.py: {e}") from None
     print(f"{g['task']} eval took {time.time() - t0:.1f} s")

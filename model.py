@@ -283,18 +283,22 @@ class Llama(nn.Module):
         p = self.output.weight
         return [KVCache(batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim, p.device, p.dtype) for _ in self.layers]
 
-    def node_kv(self, idx, n_layers):
+    def node_kv(self, idx, n_layers, keep):
         # The lower model's job: run the bottom n_layers on idx (R, L) at positions 0..L-1 (causal, no
-        # cross-attention) and return each layer's self-attention K (after RoPE) and V: n_layers x (R, Hkv, L, hd).
+        # cross-attention) and return each layer's self-attention K (after RoPE) and V at the kept positions
+        # keep (R, k): n_layers x (R, Hkv, k, hd). The last layer's output is never used, so it projects only
+        # the kept tokens' K and V.
         cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
         x, kvs = self.tok_embeddings(idx), []
+        at = keep[:, None, :, None]                                           # (R, 1, k, 1)
         for i, layer in enumerate(self.layers[:n_layers]):
-            if i == n_layers - 1:   # the last lower layer's output is never used: only its K/V
-                kvs.append(layer.attention.kv(layer.attention_norm(x), cos, sin))
+            if i < n_layers - 1:
+                kv = KeepKV()
+                x = layer(x, cos, sin, 0, kv)
+                kvs.append(tuple(t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3])) for t in (kv.k, kv.v)))
             else:
-                keep = KeepKV()
-                x = layer(x, cos, sin, 0, keep)
-                kvs.append((keep.k, keep.v))
+                xk = x.gather(1, keep[:, :, None].expand(-1, -1, x.shape[2]))     # (R, k, dim)
+                kvs.append(layer.attention.kv(layer.attention_norm(xk), cos[keep][:, None], sin[keep][:, None]))
         return kvs
 
     def retrieval_vec(self, idx, last):
@@ -460,11 +464,9 @@ class SharedLLM(nn.Module):
             tokens, _ = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
             keep = torch.tensor([tree.keep_index(len(nd), nd.kept, s.keep) for _, nd in sel], device=rows.device)
             with torch.no_grad() if frozen else torch.enable_grad():
-                kvs = low.node_kv(tokens, s.n_lower)                       # n_lower x (R, Hkv, L, hd)
+                kvs = low.node_kv(tokens, s.n_lower, keep)                  # n_lower x (R, Hkv, k, hd): the kept KVs
             R, k = keep.shape
             for j, (K, V) in enumerate(kvs):
-                ix = keep[:, None, :, None].expand(R, K.shape[1], k, K.shape[3])
-                K, V = K.gather(2, ix), V.gather(2, ix)                       # (R, Hkv, k, hd): the kept KVs
                 blocks = [t.transpose(1, 2).reshape(R * k, K.shape[1], K.shape[3]) for t in (K, V)]
                 flat[j] = blocks if flat[j] is None else [torch.cat([a, b]) for a, b in zip(flat[j], blocks)]
             for i, (r, nd) in enumerate(sel):

@@ -50,7 +50,11 @@ seed = 1337
 def free_memory_bytes(dev):
     if dev.startswith("cuda"):
         return torch.cuda.mem_get_info(torch.device(dev))[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:   # MemAvailable counts reclaimable page cache; free pages alone would understate it
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def compress_bytes(model, n, wbytes):

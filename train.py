@@ -42,6 +42,7 @@ data_dir = ""               # a folder of .txt files; "" = the Python standard l
 tokenizer = "byte"          # "byte" | "gpt2" | a sentencepiece .model path (a LLaMA-2 folder brings its own)
 n_chunks = 4                # n: context chunks per training sample (X_C = n x C tokens)
 chunk_schedule = "1:1000,2:2000"   # curriculum: 1 chunk until iter 1000, 2 until 2000, then n_chunks ("" = off)
+beta_schedule = "2:1000"    # curriculum on compression: beta 2 until iter 1000, then beta ("" = off)
 block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)
 eval_chunks = "4,16"        # chunk counts evaluated
 # model: preset for scratch, SharedLLM settings always
@@ -52,7 +53,7 @@ height = 3                  # tree height h
 beta = 8                    # compression: C / KVs kept per chunk
 policy = "query"            # "right" | "query" (query: the passkey question steers each tree toward the key)
 keep = "last"               # "last" | "first" token of each stride window
-noise = 5.0                 # training split noise: sigma = l / noise; 0 = off
+noise = 0.0                 # training split noise: sigma = l / noise; 0 = off (paper: 5 for LM, 10 for SFT)
 chunk_ids = True            # chunk-level position ids
 inject = "bottom"           # "bottom" | "top" | "interleaved"
 train = "all"               # what trains: "all" | "cross" (cross-attention only: released code, LM) |
@@ -202,17 +203,25 @@ def main():
         ratio = min(1.0, (it - warmup_iters) / max(1, max_iters - warmup_iters))
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
-    def chunks_at(it):
-        for part in filter(None, chunk_schedule.split(",")):
-            n, until = (int(x) for x in part.split(":"))
-            if it < until:
-                return n
-        return n_chunks
+    def parse_schedule(name, spec):   # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)]
+        try:
+            pairs = [tuple(int(x) for x in part.split(":")) for part in filter(None, spec.split(","))]
+            assert all(len(p) == 2 for p in pairs), "each part is value:until_iter"
+            if name == "beta_schedule":
+                [M.tree.node_budget(chunk_size, height, v) for v, _ in pairs]
+        except (ValueError, AssertionError) as e:
+            raise SystemExit(f"--{name}={spec}: expected value:until_iter pairs like 2:1000,4:2000 ({e})") from None
+        return pairs
+
+    def scheduled(pairs, it, final):   # the value of the first pair whose until_iter is still ahead, else final
+        return next((v for v, until in pairs if it < until), final)
+    chunk_pairs, beta_pairs = parse_schedule("chunk_schedule", chunk_schedule), parse_schedule("beta_schedule", beta_schedule)
 
     @torch.no_grad()
     def evaluate():
         # fixed validation samples (their own seed), so evals are comparable and never touch the training RNGs
         raw.eval()
+        trained_beta, raw.scfg.beta = raw.scfg.beta, beta   # always evaluate at the target compression
         out = {}
         for n in [int(x) for x in eval_chunks.split(",")]:
             erng = random.Random(1000 + n)
@@ -236,6 +245,7 @@ def main():
                 out[f"lm_loss@{n}"], out[f"lm_loss_noctx@{n}"] = losses
                 out[f"ppl_ratio@{n}"] = math.exp(losses[0] - losses[1])
         raw.train()
+        raw.scfg.beta = trained_beta
         return out
 
     def save():
@@ -264,7 +274,8 @@ def main():
         lr = get_lr(iter_num)
         for g in optimizer.param_groups:
             g["lr"] = lr
-        n = chunks_at(iter_num)
+        n = scheduled(chunk_pairs, iter_num, n_chunks)
+        raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # an inference-time setting: no new weights
         for micro in range(gradient_accumulation_steps):
             kind = task
             if task == "mixed":
@@ -324,13 +335,13 @@ def step_flops(m, n, T):
     return lower + upper
 
 
-def peak_flops(dev_type, dt):
-    # the device's matmul peak, measured here (no hard-coded A100 number): a large matmul, best of 3
-    n = 4096 if dev_type == "cuda" else 1024
+def peak_flops(dev_type, dt, n=None, trials=4):
+    # the device's matmul peak, measured here (no hard-coded A100 number): a large matmul, best of `trials`
+    n = n or (4096 if dev_type == "cuda" else 1024)
     a = torch.randn(n, n, device=dev_type, dtype=dt if dev_type == "cuda" else torch.float32)
     sync = torch.cuda.synchronize if dev_type == "cuda" else (lambda: None)
     best = float("inf")
-    for _ in range(4):
+    for _ in range(trials):
         sync()
         t = time.time()
         for _ in range(4):

@@ -36,9 +36,9 @@ def test_compressed_kv_size_and_flops_match_the_model():
         mem = m.compress(torch.randint(0, 258, (1, 3, 256)), torch.randint(0, 258, (1, 8)))
     kv_bytes = sum(t.numel() * t.element_size() for K, V in mem.kv for t in (K, V))
     assert kv_bytes == 2 * 2 * 3 * (256 // 8) * 2 * 16 * 4     # K,V x M x n x S x Hkv x hd x fp32
-    # FLOPs: layer 0 in full (q, k, v, o, MLP, causal attention within each node), layer 1 only k and v
+    # FLOPs: layer 0 in full (q, k, v, o, MLP, causal attention within each node), layer 1 only k and v of kept tokens
     c = m.upper.cfg
     nodes = [128, 64, 32, 32]      # C=256, h=3: [0,128) [128,192) [192,224) [224,256)
     full = 2 * 64 * 64 * 2 + 2 * 64 * 32 * 2 + 2 * 3 * 64 * c.hidden_dim
-    want = 3 * sum(full * L + 2 * L * L * 64 + 2 * 64 * 32 * 2 * L for L in nodes)
+    want = 3 * sum(full * L + 2 * L * L * 64 + 2 * 64 * 32 * 2 * 8 for L in nodes)   # 8 KVs kept per node
     assert bench.compress_flops(m, 3) == want

@@ -164,3 +164,12 @@ def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path):
     torch.save(bad, tmp_path / "bad" / "ckpt.pt")
     out = run([f"--init_from={tmp_path / 'bad'}"], tmp_path, ok=False, cmd=sample)
     assert "the checkpoint and tokenizer do not belong together" in out or "tiktoken could not load" in out
+
+
+def test_sample_refuses_a_context_larger_than_free_memory(micro_ckpt, monkeypatch):
+    cfg = {k: v for k, v in vars(S).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    cfg.update(init_from=str(micro_ckpt), n_chunks=64, device="cpu")
+    monkeypatch.setattr(S, "free_memory_bytes", lambda dev: 10_000)
+    with pytest.raises(SystemExit, match=r"compressing 2,048 context tokens \(64 chunks of 32\) needs about .* GiB, and "
+                                         r"0.0 GiB is free on cpu: use a shorter context"):
+        S.main(cfg)

@@ -31,6 +31,7 @@ def test_config_errors(tmp_path):
     assert "--chunk_ids=maybe: expected a bool" in run(["--chunk_ids=maybe"], tmp_path, ok=False)
     assert "bad argument 'max_iters'" in run(["max_iters"], tmp_path, ok=False)
     assert "--train=lower: expected one of" in run(MICRO + ["--train=lower", "--max_iters=1"], tmp_path, ok=False)
+    assert "--beta_schedule=2: expected value:until_iter pairs" in run(MICRO + ["--beta_schedule=2"], tmp_path, ok=False)
     out = run(["--help"], tmp_path)
     assert "learning_rate = 3e-3" in out and "chunk_schedule" in out
 
@@ -123,3 +124,20 @@ def test_ddp_over_gloo_two_processes(tmp_path):
     out = run(MICRO + ["--max_iters=4", "--eval_interval=4", f"--out_dir={tmp_path / 'out'}"], tmp_path,
               cmd=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", os.path.join(ROOT, "train.py")])
     assert "2 process(es)" in out and "eval iter 4" in out
+
+
+def test_context_dropout_one_never_trains_cross_attention(tmp_path):
+    # every language-modeling batch without X_C: cross-attention gets no gradient, so its zero-initialised output
+    # projection stays exactly zero, while the rest of the model trains
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(10):
+        (docs / f"{i}.txt").write_text(" ".join(f"token{j % 17} line {j}" for j in range(300)))
+    for drop in (1.0, 0.0):
+        out = run(MICRO + ["--task=mixed", "--passkey_frac=0.0", "--lm_from=0", f"--context_dropout={drop}",
+                           f"--data_dir={docs}", "--max_iters=3", "--eval_interval=3", f"--out_dir={tmp_path / str(drop)}"],
+                  tmp_path)
+        assert "lm_loss@2" in out and "passkey@2" in out
+        ck = torch.load(tmp_path / str(drop) / "ckpt.pt", weights_only=False)["model"]
+        wo = [ck[k].abs().max().item() for k in ck if "cross_attention.wo" in k]
+        assert wo and (max(wo) == 0) == (drop == 1.0), wo    # with the context (drop 0) it does train
