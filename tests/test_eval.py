@@ -14,6 +14,7 @@ import sample as S
 from conftest import ROOT
 from load_llama import ByteTokenizer, load_sharedllm
 from test_train import MICRO, run
+from train import parse_overrides
 
 SCRIPTS = {name: [os.sys.executable, os.path.join(ROOT, name)] for name in ("sample.py", "eval.py")}
 
@@ -142,27 +143,41 @@ def test_sample_and_eval_subprocesses(micro_ckpt, tmp_path):
         assert row in out
 
 
-def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path):
-    sample, ev = SCRIPTS["sample.py"], SCRIPTS["eval.py"]
-    assert "neither a train.py checkpoint (ckpt.pt) nor a LLaMA-2 folder" in run([f"--init_from={tmp_path}/nope"], tmp_path,
-                                                                                 ok=False, cmd=sample)
-    assert "neither a train.py checkpoint" in run([f"--init_from={tmp_path}/nope"], tmp_path, ok=False, cmd=ev)
-    assert "unknown setting 'temprature'" in run(["--temprature=1"], tmp_path, ok=False, cmd=sample)
-    assert "unknown setting 'chunk'" in run(["--chunk=4"], tmp_path, ok=False, cmd=ev)
-    ck = [f"--init_from={micro_ckpt}"]
-    assert "the context has 6 tokens; at least one chunk of C = 32" in run(ck + ["--context=short", "--prompt=q"], tmp_path,
-                                                                           ok=False, cmd=sample)
-    assert "--context is empty" in run(ck + ["--context=  ", "--prompt=q"], tmp_path, ok=False, cmd=sample)
-    assert "no such file" in run(ck + [f"--context=FILE:{tmp_path}/missing.txt"], tmp_path, ok=False, cmd=sample)
-    assert "M is fixed by the checkpoint" in run(ck + ["--n_lower=3"], tmp_path, ok=False, cmd=sample)
-    assert "--task=ppx: expected ppl, passkey or ablations" in run(ck + ["--task=ppx"], tmp_path, ok=False, cmd=ev)
-    assert "no validation document has" in run(ck + ["--chunks=1000", f"--data_dir={micro_ckpt / 'docs'}"], tmp_path,
-                                               ok=False, cmd=ev)
+def error_of(script, args, tmp_path, monkeypatch):
+    # run sample.py / eval.py in this process (a subprocess each would cost a torch import) -> its SystemExit text
+    monkeypatch.chdir(tmp_path)
+    cfg = {k: v for k, v in vars(script).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    with pytest.raises(SystemExit) as e:
+        parse_overrides(args, cfg, script.__file__)
+        script.main(cfg)
+    return str(e.value)
+
+
+def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path, monkeypatch):
+    # as the user sees it, once per script: a subprocess
+    for script in ("sample.py", "eval.py"):
+        out = run([f"--init_from={tmp_path}/nope"], tmp_path, ok=False, cmd=SCRIPTS[script])
+        assert "neither a train.py checkpoint (ckpt.pt) nor a LLaMA-2 folder (config.json)" in out
+    assert "unknown setting 'temprature'" in error_of(S, ["--temprature=1"], tmp_path, monkeypatch)
+    assert "unknown setting 'chunk'" in error_of(E, ["--chunk=4"], tmp_path, monkeypatch)
+    ck = [f"--init_from={micro_ckpt}", "--device=cpu"]
+    for args, msg in [(["--context=short", "--prompt=q"], "the context has 6 tokens; at least one chunk of C = 32"),
+                      (["--context=  ", "--prompt=q"], "--context is empty"),
+                      (["--context=" + "x" * 100], "--prompt is empty"),
+                      ([f"--context=FILE:{tmp_path}/missing.txt"], "no such file"),
+                      (["--n_lower=3"], "M is fixed by the checkpoint")]:
+        assert msg in error_of(S, ck + args, tmp_path, monkeypatch)
+    for args, msg in [(["--task=ppx"], "--task=ppx: expected ppl, passkey or ablations"),
+                      (["--chunks=1000", f"--data_dir={micro_ckpt / 'docs'}"], "no validation document has"),
+                      (["--chunks=0"], "--chunks=0: expected positive integers"),
+                      (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected on or off"),
+                      (["--task=ablations", "--compare=nolabel"], "expected label=out_dir")]:
+        assert msg in error_of(E, ck + args, tmp_path, monkeypatch)
     bad = torch.load(micro_ckpt / "ckpt.pt", weights_only=False)
     bad["tokenizer"] = {"kind": "gpt2"}                 # 50,257 ids for a 258-token model
     os.makedirs(tmp_path / "bad")
     torch.save(bad, tmp_path / "bad" / "ckpt.pt")
-    out = run([f"--init_from={tmp_path / 'bad'}"], tmp_path, ok=False, cmd=sample)
+    out = error_of(S, [f"--init_from={tmp_path / 'bad'}"], tmp_path, monkeypatch)
     assert "the checkpoint and tokenizer do not belong together" in out or "tiktoken could not load" in out
 
 

@@ -25,15 +25,21 @@ def run(args, cwd, ok=True, cmd=None):
     return r.stdout + r.stderr
 
 
-def test_config_errors(tmp_path):
-    assert "unknown setting 'lerning_rate'" in run(["--lerning_rate=1"], tmp_path, ok=False)
-    assert "--max_iters=ten: expected a int" in run(["--max_iters=ten"], tmp_path, ok=False)
-    assert "--chunk_ids=maybe: expected a bool" in run(["--chunk_ids=maybe"], tmp_path, ok=False)
-    assert "bad argument 'max_iters'" in run(["max_iters"], tmp_path, ok=False)
+def test_config_errors(tmp_path, capsys):
+    from train import config, parse_overrides
+    for args, msg in [(["--lerning_rate=1"], "unknown setting 'lerning_rate'"),
+                      (["--max_iters=ten"], "--max_iters=ten: expected a int"),
+                      (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected a bool"),
+                      (["max_iters"], "bad argument 'max_iters'")]:
+        with pytest.raises(SystemExit, match=msg):
+            parse_overrides(args, dict(config))
+    with pytest.raises(SystemExit):
+        parse_overrides(["--help"], dict(config))
+    out = capsys.readouterr().out
+    assert "learning_rate = 3e-3" in out and "beta_schedule" in out and "def main" not in out   # the config block only
+    # errors that main() raises, as the user sees them
     assert "--train=lower: expected one of" in run(MICRO + ["--train=lower", "--max_iters=1"], tmp_path, ok=False)
     assert "--beta_schedule=2: expected value:until_iter pairs" in run(MICRO + ["--beta_schedule=2"], tmp_path, ok=False)
-    out = run(["--help"], tmp_path)
-    assert "learning_rate = 3e-3" in out and "chunk_schedule" in out
 
 
 def test_lm_sample_is_one_document_in_order(tmp_path):
