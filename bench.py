@@ -17,7 +17,7 @@ import torch
 
 import model as M
 import tree
-from load_llama import load_sharedllm
+from sample import load_sharedllm
 from train import parse_overrides, peak_flops
 
 # -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import data
-from load_llama import load_sharedllm
+from sample import load_sharedllm
 from train import parse_overrides
 
 # -----------------------------------------------------------------------------

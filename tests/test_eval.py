@@ -12,7 +12,8 @@ import data
 import eval as E
 import sample as S
 from conftest import ROOT
-from load_llama import ByteTokenizer, load_sharedllm
+from load_llama import ByteTokenizer
+from sample import load_sharedllm
 from test_train import MICRO, run
 from train import parse_overrides
 
@@ -188,3 +189,22 @@ def test_sample_refuses_a_context_larger_than_free_memory(micro_ckpt, monkeypatc
     with pytest.raises(SystemExit, match=r"compressing 2,048 context tokens \(64 chunks of 32\) needs about .* GiB, and "
                                          r"0.0 GiB is free on cpu: use a shorter context"):
         S.main(cfg)
+
+
+def test_sample_from_a_llama2_folder(tmp_path, capsys):
+    import shutil
+    from conftest import SHARED_TOKENIZERS, make_hf_checkpoint
+    spm = os.path.join(SHARED_TOKENIZERS, "llama-format", "tokenizer.model")
+    if not os.path.isfile(spm):
+        pytest.skip("shared tokenizer files not present")
+    hf = make_hf_checkpoint(tmp_path, vocab=32000)
+    shutil.copy(spm, tmp_path / "tokenizer.model")
+    model, tok, cfg = load_sharedllm(str(tmp_path), n_lower=1, chunk_size=16, height=2, beta=4)
+    assert cfg == {} and model.scfg.n_lower == 1 and tok.vocab_size == 32000
+    ctx, idx = torch.randint(0, 32000, (1, 3, 16)), torch.randint(0, 32000, (1, 9))
+    with torch.no_grad():   # cross-attention untrained: exactly the base LLaMA
+        assert torch.equal(model(ctx, idx)[0].argmax(-1), hf(idx).logits.argmax(-1))
+    cfg = {k: v for k, v in vars(S).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    cfg.update(init_from=str(tmp_path), context="a long document. " * 20, prompt="Summary:", max_new_tokens=4,
+               n_lower=1, chunk_size=16, height=2, beta=4, device="cpu")
+    assert len(S.main(cfg)) == 4 and "chunks of C = 16" in capsys.readouterr().out
