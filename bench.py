@@ -18,7 +18,7 @@ import torch
 import model as M
 import tree
 from sample import load_sharedllm
-from train import parse_overrides, peak_flops
+from train import auto_device, config_of, parse_overrides, peak_flops
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
@@ -116,9 +116,8 @@ def build(g, dev, dt, **over):
 
 
 def main(g):
-    dev = g["device"] if g["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dt = getattr(torch, g["dtype"] if g["dtype"] != "auto" else
-                 ("bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"))
+    dev, dt = auto_device(g["device"], g["dtype"])
+    dt = getattr(torch, dt)
     if g["quick"]:
         g.update(lengths="2048,4096", knob_length=4096, repeats=1)
     try:
@@ -220,6 +219,6 @@ def main(g):
 
 
 if __name__ == "__main__":
-    config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    config = config_of(globals())
     parse_overrides(sys.argv[1:], config, __file__)
     main(config)

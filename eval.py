@@ -24,7 +24,7 @@ import torch
 
 import data
 from sample import load_sharedllm
-from train import parse_overrides
+from train import auto_device, config_of, parse_overrides
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
@@ -226,10 +226,7 @@ def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
 
 
 def main(g):
-    dev = g["device"] if g["device"] != "auto" else ("cuda" if torch.cuda.is_available() else
-                                                     "mps" if torch.backends.mps.is_available() else "cpu")
-    dt = g["dtype"] if g["dtype"] != "auto" else \
-        ("bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
+    dev, dt = auto_device(g["device"], g["dtype"])
     if g["task"] not in ("ppl", "passkey", "ablations"):
         raise SystemExit(f"eval.py: --task={g['task']}: expected ppl, passkey or ablations")
     if g["chunk_ids"] not in ("", "on", "off"):
@@ -279,6 +276,6 @@ def main(g):
 
 
 if __name__ == "__main__":
-    config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    config = config_of(globals())
     parse_overrides(sys.argv[1:], config, __file__)
     main(config)

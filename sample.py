@@ -22,7 +22,7 @@ import data
 import model as M
 import tree
 from load_llama import Llama, LlamaConfig, Tokenizer, load_llama, tokenizer_from_spec
-from train import parse_overrides
+from train import auto_device, config_of, parse_overrides
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
@@ -115,10 +115,7 @@ def tree_path(nodes, C):
 
 def main(cfg):
     g = cfg
-    dev = g["device"] if g["device"] != "auto" else ("cuda" if torch.cuda.is_available() else
-                                                     "mps" if torch.backends.mps.is_available() else "cpu")
-    dt = g["dtype"] if g["dtype"] != "auto" else \
-        ("bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
+    dev, dt = auto_device(g["device"], g["dtype"])
     torch.manual_seed(g["seed"])
     shared = {k: g[k] for k in ("n_lower", "chunk_size", "height", "beta", "policy") if g[k]}
     try:
@@ -213,6 +210,6 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    config = config_of(globals())
     parse_overrides(sys.argv[1:], config, __file__)
     main(config)

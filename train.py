@@ -104,8 +104,20 @@ def parse_overrides(argv, config, script=__file__):
         config[key] = new
 
 
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
-config = {k: globals()[k] for k in config_keys}
+def config_of(namespace):
+    # a script's config block: its module-level ints, floats, bools and strings
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+
+
+def auto_device(device, dtype):
+    # "auto": cuda, then mps, then cpu; bfloat16 where CUDA supports it, else float32 (never float16 by default)
+    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else
+                                           "mps" if torch.backends.mps.is_available() else "cpu")
+    dt = dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
+    return dev, dt
+
+
+config = config_of(globals())
 if __name__ == "__main__":
     parse_overrides(sys.argv[1:], config)
     globals().update(config)
@@ -117,9 +129,7 @@ if __name__ == "__main__":
 def main():
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-    dev = device
-    if dev == "auto":
-        dev = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    dev, dt = auto_device(device, dtype)
     if ddp:
         torch.distributed.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
         if dev.startswith("cuda"):
@@ -127,8 +137,6 @@ def main():
             torch.cuda.set_device(dev)
     master = rank == 0
     dev_type = "cuda" if dev.startswith("cuda") else dev
-    bf16_ok = dev_type == "cuda" and torch.cuda.is_bf16_supported()
-    dt = dtype if dtype != "auto" else ("bfloat16" if bf16_ok else "float32")
     if dt not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"--dtype={dt}: expected float32 or bfloat16 (or float16)")
     ptdtype = getattr(torch, dt)

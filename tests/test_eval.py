@@ -15,7 +15,7 @@ from conftest import ROOT
 from load_llama import ByteTokenizer
 from sample import load_sharedllm
 from test_train import MICRO, run
-from train import parse_overrides
+from train import config_of, parse_overrides
 
 SCRIPTS = {name: [os.sys.executable, os.path.join(ROOT, name)] for name in ("sample.py", "eval.py")}
 
@@ -97,7 +97,7 @@ def test_passkey_key_at_the_asked_depth_only_inside_the_context():
 
 
 def test_sample_greedy_equals_full_forward_greedy(micro_ckpt, capsys):
-    cfg = {k: v for k, v in vars(S).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    cfg = config_of(vars(S))
     text = "".join(f"record {i}: value {i * 37 % 101}. " for i in range(12))
     cfg.update(init_from=str(micro_ckpt), context=text, prompt="value of record 3?", max_new_tokens=12, device="cpu",
                show_tree=True)
@@ -147,7 +147,7 @@ def test_sample_and_eval_subprocesses(micro_ckpt, tmp_path):
 def error_of(script, args, tmp_path, monkeypatch):
     # run sample.py / eval.py in this process (a subprocess each would cost a torch import) -> its SystemExit text
     monkeypatch.chdir(tmp_path)
-    cfg = {k: v for k, v in vars(script).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    cfg = config_of(vars(script))
     with pytest.raises(SystemExit) as e:
         parse_overrides(args, cfg, script.__file__)
         script.main(cfg)
@@ -183,7 +183,7 @@ def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path, monkeypatch):
 
 
 def test_sample_refuses_a_context_larger_than_free_memory(micro_ckpt, monkeypatch):
-    cfg = {k: v for k, v in vars(S).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    cfg = config_of(vars(S))
     cfg.update(init_from=str(micro_ckpt), n_chunks=64, device="cpu")
     monkeypatch.setattr(S, "free_memory_bytes", lambda dev: 10_000)
     with pytest.raises(SystemExit, match=r"compressing 2,048 context tokens \(64 chunks of 32\) needs about .* GiB, and "
@@ -204,7 +204,7 @@ def test_sample_from_a_llama2_folder(tmp_path, capsys):
     ctx, idx = torch.randint(0, 32000, (1, 3, 16)), torch.randint(0, 32000, (1, 9))
     with torch.no_grad():   # cross-attention untrained: exactly the base LLaMA
         assert torch.equal(model(ctx, idx)[0].argmax(-1), hf(idx).logits.argmax(-1))
-    cfg = {k: v for k, v in vars(S).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    cfg = config_of(vars(S))
     cfg.update(init_from=str(tmp_path), context="a long document. " * 20, prompt="Summary:", max_new_tokens=4,
                n_lower=1, chunk_size=16, height=2, beta=4, device="cpu")
     assert len(S.main(cfg)) == 4 and "chunks of C = 16" in capsys.readouterr().out
