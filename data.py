@@ -107,12 +107,9 @@ def passkey_sample(tok, rng, n_chunks, chunk_size, T=None, depth=None, key=None)
     return torch.tensor(ctx).view(n_chunks, chunk_size), idx, targets, len(p["question"])
 
 
-def get_batch(kind, B, rng, tok, splits, n_chunks, chunk_size, T, split="train", passkey_frac=0.5):
-    # kind: "lm" | "passkey" | "mixed" -> context (B, n, C), idx (B, T), targets (B, T), query_len (B,)
-    samples = []
-    for _ in range(B):
-        pk = kind == "passkey" or (kind == "mixed" and rng.random() < passkey_frac)
-        samples.append(passkey_sample(tok, rng, n_chunks, chunk_size, T) if pk
-                       else lm_sample(splits[split], rng, n_chunks, chunk_size, T))
+def get_batch(kind, B, rng, tok, splits, n_chunks, chunk_size, T, split="train"):
+    # kind: "lm" | "passkey" -> context (B, n, C), idx (B, T), targets (B, T), query_len (B,)
+    samples = [passkey_sample(tok, rng, n_chunks, chunk_size, T) if kind == "passkey"
+               else lm_sample(splits[split], rng, n_chunks, chunk_size, T) for _ in range(B)]
     ctx, idx, tgt, ql = zip(*samples)
     return torch.stack(ctx), torch.stack(idx), torch.stack(tgt), torch.tensor(ql)

@@ -289,7 +289,7 @@ def main():
             if task == "mixed":
                 kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"   # one kind per batch
             ctx, idx, tgt, ql = (t.to(dev) for t in data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size,
-                                                                   block_size, passkey_frac=passkey_frac))
+                                                                   block_size))
             if kind == "lm" and context_dropout > 0 and rng.random() < context_dropout:
                 ctx = None
             sync = nullcontext() if not ddp or micro == gradient_accumulation_steps - 1 else model.no_sync()
