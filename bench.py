@@ -140,6 +140,7 @@ def main(g):
     def inputs(L):
         ctx = torch.randint(0, c.vocab_size, (1, L // C, C), generator=gen).to(dev)
         return ctx, torch.randint(0, c.vocab_size, (1, T), generator=gen).to(dev)
+    ql = torch.tensor([T], device=dev)   # X_D is the query (a question, as in QA) for the "query" policy
 
     # 1. length sweep: SharedLLM (compress + upper over X_D) vs full causal attention over X_C + X_D
     print(f"\n{'context':>9} {'SharedLLM s':>12} {'full attn s':>12} {'speedup':>8} {'Shared MB':>10} {'full MB':>9} "
@@ -147,8 +148,8 @@ def main(g):
     sweep, last_full = [], None
     for L in lengths:
         ctx, idx = inputs(L)
-        s_t, s_mb = measure(lambda: m(ctx, idx), dev, g["repeats"])
-        k_t, _ = measure(lambda: m.compress(ctx, idx), dev, g["repeats"])
+        s_t, s_mb = measure(lambda: m(ctx, idx, query_len=ql), dev, g["repeats"])
+        k_t, _ = measure(lambda: m.compress(ctx, idx, ql), dev, g["repeats"])
         pct = 100 * compress_flops(m, L // C) / k_t / peak
         f_t = f_mb = None
         skip = ""
@@ -192,7 +193,7 @@ def main(g):
             try:
                 mk = build(g, dev, dt, n_lower=v) if knob == "n_lower" else m
                 mk.scfg = M.SharedConfig(**{**base.__dict__, knob: v})
-                t, mb = measure(lambda: mk(ctx, idx), dev, g["repeats"])
+                t, mb = measure(lambda: mk(ctx, idx, query_len=ql), dev, g["repeats"])
             except ValueError as e:
                 print(f"  {knob} = {v}: not possible ({e})")
                 continue

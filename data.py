@@ -8,7 +8,8 @@ Data for train.py, eval.py and sample.py, with no download.
 - Passkey retrieval (the Landmark / LongLoRA format): a 5-digit random key at a given depth inside the context,
   filler around it, the question at the end of X_D; only the answer tokens are scored.
 
-A sample is (context (n, C), idx (T,), targets (T,), query_len): X_C precedes X_D in the same document.
+A sample is (context (n, C), idx (T,), targets (T,), query_len): X_C precedes X_D in the same document;
+query_len is how many leading tokens of X_D are the query (the passkey question; 0 for language modeling).
 """
 import glob
 import hashlib
@@ -73,7 +74,7 @@ def lm_sample(split, rng, n_chunks, chunk_size, T):
     s = int(offsets[d]) + rng.randrange(int(lens[d]) - need + 1)
     w = torch.from_numpy(tokens[s:s + need].astype(np.int64))
     ctx = w[: n_chunks * chunk_size].view(n_chunks, chunk_size)
-    return ctx, w[n_chunks * chunk_size:-1], w[n_chunks * chunk_size + 1:], T
+    return ctx, w[n_chunks * chunk_size:-1], w[n_chunks * chunk_size + 1:], 0   # no query: the tree goes right
 
 
 def passkey_ids(tok):

@@ -434,25 +434,28 @@ class SharedLLM(nn.Module):
                 or (n.startswith("layers.") and int(n.split(".")[1]) < self.scfg.n_lower and ".cross_" not in n)]
 
     def compress(self, context, idx=None, query_len=None):
-        # context: (B, n, C) token ids of X_C; idx: (B, T) the running text X_D (the query, for the "query"
-        # policy); query_len: (B,) how many leading tokens of X_D are the query (default: all of X_D).
+        # context: (B, n, C) token ids of X_C; idx: (B, T) the running text X_D; query_len: (B,) how many leading
+        # tokens of X_D are the query for the "query" policy. None (or 0 for a row) means no query: language
+        # modeling, where the paper's policy is "right". (Taking all of X_D as the query would let the tree choice
+        # depend on the very tokens being predicted.)
         s, low = self.scfg, self.lower_model()
         B, n, C = context.shape
         if C != s.chunk_size:
             raise ValueError(f"context chunks have {C} tokens; this model's chunk_size C is {s.chunk_size}")
         rows = context.reshape(B * n, C)                                # one tree per (batch item, chunk)
         decide = None
-        if s.policy == "query":
+        if s.policy == "query" and query_len is not None and bool((query_len > 0).any()):
             if idx is None:
                 raise ValueError("policy 'query' needs the running text idx (the query)")
-            last = (query_len if query_len is not None else torch.full((B,), idx.shape[1], device=idx.device)) - 1
+            no_query = (query_len == 0).repeat_interleave(n).tolist()  # these rows go right
             with torch.no_grad():
-                q = self.upper.retrieval_vec(idx, last).repeat_interleave(n, dim=0)    # (B*n, dim)
+                q = self.upper.retrieval_vec(idx, (query_len - 1).clamp(min=0)).repeat_interleave(n, dim=0)  # (B*n, dim)
 
             def decide(level, lefts, rights):   # each chunk compares the query with ITS OWN two children
                 with torch.no_grad():   # both children of every tree in one batched call
                     h_left, h_right = low.retrieval_vec(*gather_spans(rows, [*range(B * n)] * 2, lefts + rights)).chunk(2)
-                return (F.cosine_similarity(q, h_right, dim=-1) > F.cosine_similarity(q, h_left, dim=-1)).tolist()
+                closer = (F.cosine_similarity(q, h_right, dim=-1) > F.cosine_similarity(q, h_left, dim=-1)).tolist()
+                return [r or nq for r, nq in zip(closer, no_query)]
         nodes = tree.search(B * n, C, s.height, s.beta, decide, s.noise if self.training else 0.0)
 
         # encode: every preserved node is its own sequence at positions 0.., one batched call per level

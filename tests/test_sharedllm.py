@@ -109,10 +109,30 @@ def test_cached_decoding_equals_full_forward(policy):
 def test_batch_items_are_independent():
     s, _ = build(wo_scale=0.5, policy="query")
     ctx, idx = data(B=3, n=2)
+    ql = torch.tensor([3, 7, 16])
     with torch.no_grad():
-        batched = s(ctx, idx)[0]
+        batched = s(ctx, idx, query_len=ql)[0]
         for b in range(3):
-            assert rel_err(batched[b:b + 1], s(ctx[b:b + 1], idx[b:b + 1])[0]) < 1e-5
+            assert rel_err(batched[b:b + 1], s(ctx[b:b + 1], idx[b:b + 1], query_len=ql[b:b + 1])[0]) < 1e-5
+
+
+def test_language_modeling_has_no_query():
+    # With no query (query_len None, or 0 for a row) the tree goes right, as the paper's LM policy: a query taken
+    # from X_D itself would let the tree choice depend on the very tokens being predicted.
+    s, _ = build(wo_scale=0.5, policy="query")
+    ctx, idx = data(B=2, n=3)
+    with torch.no_grad():
+        a = s(ctx, idx)[0]
+        b = s(ctx, idx, query_len=torch.tensor([0, 0]))[0]
+        mixed = s.compress(ctx, idx, torch.tensor([0, 16]))
+        s.scfg.policy = "right"
+        ref = s(ctx, idx)[0]
+        right = s.compress(ctx, idx)
+        s.scfg.policy = "query"
+        steered = s.compress(ctx, idx, torch.tensor([16, 16]))
+    assert torch.equal(a, ref) and torch.equal(b, ref)
+    assert mixed.nodes[:3] == right.nodes[:3] and mixed.nodes[3:] == steered.nodes[3:]   # per row
+    assert steered.nodes != right.nodes            # (the query does steer this model's trees)
 
 
 def test_query_policy_pairs_each_chunk_with_its_own_children():
@@ -126,7 +146,7 @@ def test_query_policy_pairs_each_chunk_with_its_own_children():
     for b in range(2):
         ctx[b, 0, 31], ctx[b, 1, 63], ctx[b, 2, 31] = Q, Q, Q
     s.upper.retrieval_vec = lambda tokens, last: torch.nn.functional.one_hot(tokens[torch.arange(len(last)), last], V).float()
-    mem = s.compress(ctx, idx)
+    mem = s.compress(ctx, idx, torch.full((2,), idx.shape[1]))
     for r, nds in enumerate(mem.nodes):
         preserved = [(nd.start, nd.end) for nd in nds if nd.level == 1][0]
         assert preserved == ((32, 64) if r % 3 in (0, 2) else (0, 32)), (r, preserved)
