@@ -50,11 +50,14 @@ def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10):
                                  f"empty (every {val_every}th document is held out for validation)")
             offsets = np.cumsum([0] + [len(d) for d in docs])
             os.makedirs(cache_dir, exist_ok=True)
-            arr = np.memmap(path + ".tmp", dtype=dtype, mode="w+", shape=(max(1, int(offsets[-1])),))
+            tmp = f"{path}.{os.getpid()}.tmp"      # per process: two runs preparing at once never share a file
+            arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=(max(1, int(offsets[-1])),))
             arr[: offsets[-1]] = np.concatenate(docs) if docs else []
             arr.flush()
-            os.replace(path + ".tmp", path + ".bin")
-            np.save(path + ".offsets.npy", offsets)   # written last: its presence means the cache is complete
+            os.replace(tmp, path + ".bin")
+            with open(tmp, "wb") as f:
+                np.save(f, offsets)
+            os.replace(tmp, path + ".offsets.npy")   # renamed last: its presence means the cache is complete
             print(f"prepared {split}: {len(docs)} documents, {offsets[-1]:,} tokens -> {path}.bin")
         offsets = np.load(path + ".offsets.npy")
         out[split] = (np.memmap(path + ".bin", dtype=dtype, mode="r"), offsets)
