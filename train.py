@@ -183,7 +183,8 @@ def main():
     if ckpt is not None:
         raw.load_state_dict(ckpt["model"])
     set_trainable(raw, train)
-    if train == "cross" and context_dropout > 0 and task != "passkey":
+    drops_context = context_dropout > 0 and task != "passkey"   # some language-modeling batches come without X_C
+    if train == "cross" and drops_context:
         raise SystemExit(f"--context_dropout={context_dropout} with --train=cross: a batch without X_C reaches no trainable "
                          "parameter (only cross-attention trains, and the frozen upper model already works alone); "
                          "use --context_dropout=0")
@@ -198,7 +199,7 @@ def main():
     if ddp:
         # a batch without X_C (context_dropout) leaves cross-attention unused on that rank: DDP must allow it
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[int(os.environ["LOCAL_RANK"])] if dev_type == "cuda" else None,
-                                                          find_unused_parameters=context_dropout > 0)
+                                                          find_unused_parameters=drops_context)
 
     # -------------------------------------------------------------------------
     # data, optimizer, schedule
