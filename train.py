@@ -139,6 +139,9 @@ def main():
             torch.cuda.set_device(dev)
     master = rank == 0
     dev_type = "cuda" if dev.startswith("cuda") else dev
+    for name, lo, hi in [("passkey_frac", 0, 1), ("context_dropout", 0, 1), ("lr_decay_iters", 0, float("inf"))]:
+        if not lo <= globals()[name] <= hi:
+            raise SystemExit(f"--{name}={globals()[name]}: expected a value in [{lo}, {hi}]")
     if dt not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"--dtype={dt}: expected float32 or bfloat16 (or float16)")
     ptdtype = getattr(torch, dt)

@@ -41,6 +41,7 @@ def test_config_errors(tmp_path, capsys):
     assert "--train=lower: expected one of" in run(MICRO + ["--train=lower", "--max_iters=1"], tmp_path, ok=False)
     assert "--beta_schedule=2: expected value:until_iter pairs" in run(MICRO + ["--beta_schedule=2"], tmp_path, ok=False)
     assert "use --context_dropout=0" in run(MICRO + ["--train=cross", "--task=lm"], tmp_path, ok=False)
+    assert "--context_dropout=1.5: expected a value in [0, 1]" in run(MICRO + ["--context_dropout=1.5"], tmp_path, ok=False)
 
 
 def test_lm_sample_is_one_document_in_order(tmp_path):
