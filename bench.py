@@ -4,7 +4,7 @@ same weights; the paper's efficiency knobs (M, beta, tree height, retrieval poli
 compression pass runs to this machine's measured matmul peak.
 
   python bench.py                     # the tiny preset, 4K..128K context tokens (README "Efficiency")
-  python bench.py --quick=True        # a smoke run, under a minute
+  python bench.py --quick=True        # a smoke run, about 10 s
   python bench.py --init_from=out --out=bench.json
 """
 import ctypes
@@ -17,8 +17,8 @@ import torch
 
 import model as M
 import tree
-from sample import load_sharedllm
-from train import auto_device, config_of, parse_overrides, peak_flops
+from configurator import auto_device, config_of, parse_overrides, peak_flops
+from load_llama import load_sharedllm
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 import data
-from sample import load_sharedllm
-from train import auto_device, config_of, parse_overrides
+from configurator import auto_device, config_of, parse_overrides
+from load_llama import load_sharedllm
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value

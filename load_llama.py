@@ -1,6 +1,7 @@
 """
-Load a Hugging Face-layout LLaMA-2 checkpoint folder straight into model.py's Llama, without `transformers`,
-and the tokenizers this project uses.
+Loading, without `transformers`: a Hugging Face-layout LLaMA-2 checkpoint folder straight into model.py's Llama
+(`load_llama`), a train.py checkpoint safely (`read_checkpoint`), and either of them as a SharedLLM with its
+tokenizer (`load_sharedllm`, what sample.py, eval.py and bench.py start from).
 
 A checkpoint folder (e.g. Llama-2-7b-hf) holds:
   config.json                                  shapes (every era of it: rope_theta may be missing or nested)
@@ -16,11 +17,16 @@ import json
 import os
 import re
 import time
+import zipfile
+
+import pickle
 
 import torch
 from safetensors import safe_open
 
+import model as M
 from model import Llama, LlamaConfig
+from tokenizer import Tokenizer, tokenizer_from_spec
 
 # HF tensor name -> model.py name; None = known and ignored ("{}" is the layer number)
 WEIGHT_MAP = {
@@ -138,70 +144,57 @@ def load_llama(ckpt_dir, device="cpu", dtype=torch.float32):
     return model.eval()
 
 # -----------------------------------------------------------------------------
-# tokenizers: one interface (encode(text, bos, eos) -> ids, decode(ids) -> text, bos_id, eos_id, vocab_size, spec)
+# train.py checkpoints, and a SharedLLM from either kind of path
 
 
-class Tokenizer:
-    # sentencepiece, as LLaMA-2's tokenizer.model. sentencepiece never adds BOS itself; LLaMA-2 wants BOS (id 1).
-    def __init__(self, path):
-        import sentencepiece as spm
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer model not found: {path}")
+def read_checkpoint(path):
+    # A train.py checkpoint holds tensors and plain values only (numbers, strings, lists, tuples, dicts), so it loads
+    # with weights_only=True: a ckpt.pt from someone else cannot run code here. Anything else is refused unread.
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path}: not a readable train.py checkpoint (not a file written by torch.save)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = re.search(r"WeightsUnpickler error:\s*(.+?)(?= Please use|\n|$)", str(e))
+        raise ValueError(f"{path}: refused: it holds objects other than tensors and plain values, and unpickling them "
+                         f"could run arbitrary code ({why.group(1) if why else 'weights_only=True rejects it'})") from None
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable train.py checkpoint ({e.__class__.__name__}: {e})") from None
+
+
+def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
+    # A SharedLLM and its tokenizer from either a train.py checkpoint (a ckpt.pt file or the out_dir holding one) or a
+    # LLaMA-2 folder (untrained cross-attention: exactly the base model until trained). shared: SharedConfig
+    # overrides at inference (height, beta, policy, ...). Returns (model in eval mode, tokenizer, train config).
+    ckpt_file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+    if os.path.isfile(ckpt_file):
+        ck = read_checkpoint(ckpt_file)
         try:
-            self.sp = spm.SentencePieceProcessor(model_file=path)
-        except Exception as e:
-            raise ValueError(f"{path}: not a sentencepiece model ({e})") from None
-        self.bos_id, self.eos_id, self.vocab_size = self.sp.bos_id(), self.sp.eos_id(), self.sp.vocab_size()
-        self.spec = {"kind": "sentencepiece", "path": os.path.abspath(path)}
-
-    def encode(self, text, bos=True, eos=False):
-        return [self.bos_id] * bos + self.sp.encode(text) + [self.eos_id] * eos
-
-    def decode(self, ids):
-        return self.sp.decode(list(ids))
-
-
-class GPT2Tokenizer:
-    # GPT-2 BPE through tiktoken; <|endoftext|> (50256) serves as both BOS and EOS.
-    def __init__(self):
-        import tiktoken
+            args, state, train_cfg, spec = ck["model_args"], ck["model"], ck["config"], ck["tokenizer"]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{ckpt_file}: not a train.py checkpoint (no {e})") from None
+        if "n_lower" in shared and shared["n_lower"] != args["shared"]["n_lower"]:
+            raise ValueError(f"n_lower (M) = {shared['n_lower']}: {ckpt_file} was trained with M = "
+                             f"{args['shared']['n_lower']} cross-attention layers; M is fixed by the checkpoint")
+        tok = tokenizer_from_spec(spec)
+        model = M.SharedLLM(Llama(LlamaConfig(**args["llama"])), M.SharedConfig(**args["shared"]))
         try:
-            self.enc = tiktoken.get_encoding("gpt2")
-        except Exception as e:
-            raise RuntimeError("tiktoken could not load the GPT-2 BPE files (offline?). Set TIKTOKEN_CACHE_DIR to a "
-                               f"folder holding them; see README ({e.__class__.__name__}: {e})") from None
-        self.bos_id = self.eos_id = self.enc.eot_token
-        self.vocab_size = self.enc.n_vocab
-        self.spec = {"kind": "gpt2"}
-
-    def encode(self, text, bos=True, eos=False):
-        return [self.bos_id] * bos + self.enc.encode_ordinary(text) + [self.eos_id] * eos
-
-    def decode(self, ids):
-        return self.enc.decode([i for i in ids if i < self.vocab_size])
-
-
-class ByteTokenizer:
-    # UTF-8 bytes 0..255, then BOS 256 and EOS 257. Needs no file: the tiny configs use it.
-    bos_id, eos_id, vocab_size = 256, 257, 258
-    spec = {"kind": "byte"}
-
-    def encode(self, text, bos=True, eos=False):
-        return [self.bos_id] * bos + list(text.encode("utf-8")) + [self.eos_id] * eos
-
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-def tokenizer_from_spec(spec):
-    kind = spec.get("kind")
-    if kind == "byte":
-        return ByteTokenizer()
-    if kind == "gpt2":
-        return GPT2Tokenizer()
-    if kind == "sentencepiece":
-        return Tokenizer(spec["path"])
-    raise ValueError(f"unknown tokenizer spec {spec!r}; expected kind 'byte', 'gpt2' or 'sentencepiece'")
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            raise ValueError(f"{ckpt_file}: its weights do not fit its own model_args ({e})") from None
+        model.scfg = M.SharedConfig(**{**args["shared"], **shared})   # inference-time settings only: no new weights
+    elif os.path.isfile(os.path.join(path, "config.json")):
+        tok_path = os.path.join(path, "tokenizer.model")
+        if not os.path.isfile(tok_path):
+            raise FileNotFoundError(f"{path}: no tokenizer.model (needed to encode the context)")
+        tok, train_cfg = Tokenizer(tok_path), {}
+        model = M.SharedLLM(load_llama(path, "cpu", dtype), M.SharedConfig(**shared))
+    else:
+        raise FileNotFoundError(f"{path}: neither a train.py checkpoint (ckpt.pt) nor a LLaMA-2 folder (config.json)")
+    if tok.vocab_size > model.upper.cfg.vocab_size:
+        raise ValueError(f"{path}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
+                         f"{model.upper.cfg.vocab_size}; the checkpoint and tokenizer do not belong together")
+    return model.to(device=device, dtype=dtype).eval(), tok, train_cfg
 
 
 if __name__ == "__main__":

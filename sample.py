@@ -1,8 +1,7 @@
 """
 Answer from a compressed long context, nanoGPT's sample.py for SharedLLM. The context is cut into chunks of C
 tokens, each chunk's tree is built and compressed once by the lower model, the prompt is prefilled, and the answer
-is decoded token by token with the KV cache, streamed as it comes. `load_sharedllm` (checkpoint or LLaMA-2
-folder -> model, tokenizer) is shared with eval.py and bench.py.
+is decoded token by token with the KV cache, streamed as it comes.
 
   python sample.py                                        # after python train.py: a fresh passkey haystack
   python sample.py --n_chunks=16 --show_tree=True         # a longer haystack, and what each tree kept
@@ -19,10 +18,9 @@ import time
 import torch
 
 import data
-import model as M
 import tree
-from load_llama import Llama, LlamaConfig, Tokenizer, load_llama, tokenizer_from_spec
-from train import auto_device, config_of, parse_overrides
+from configurator import auto_device, config_of, parse_overrides
+from load_llama import load_sharedllm
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
@@ -47,42 +45,6 @@ device = "auto"             # "auto" = cuda, then mps, then cpu
 dtype = "auto"              # "auto" = bfloat16 on CUDA where supported, else float32
 seed = 1337
 # -----------------------------------------------------------------------------
-
-
-def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
-    # A SharedLLM and its tokenizer, for sample.py and eval.py, from either a train.py checkpoint (a ckpt.pt file or
-    # the out_dir holding one) or a LLaMA-2 folder (untrained cross-attention: equal to the base model until trained).
-    # shared: SharedConfig overrides (height, beta, policy, ...). Returns (model in eval mode, tokenizer, train config).
-    ckpt_file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-    if os.path.isfile(ckpt_file):
-        try:
-            ck = torch.load(ckpt_file, map_location="cpu", weights_only=False)
-            args, state, train_cfg, spec = ck["model_args"], ck["model"], ck["config"], ck["tokenizer"]
-        except Exception as e:
-            raise ValueError(f"{ckpt_file}: not a train.py checkpoint ({e.__class__.__name__}: {e})") from None
-        if "n_lower" in shared and shared["n_lower"] != args["shared"]["n_lower"]:
-            raise ValueError(f"n_lower (M) = {shared['n_lower']}: {ckpt_file} was trained with M = "
-                             f"{args['shared']['n_lower']} cross-attention layers; M is fixed by the checkpoint")
-        tok = tokenizer_from_spec(spec)
-        llama = Llama(LlamaConfig(**args["llama"]))
-        model = M.SharedLLM(llama, M.SharedConfig(**args["shared"]))
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as e:
-            raise ValueError(f"{ckpt_file}: its weights do not fit its own model_args ({e})") from None
-        model.scfg = M.SharedConfig(**{**args["shared"], **shared})   # inference-time settings only: no new weights
-    elif os.path.isfile(os.path.join(path, "config.json")):
-        tok_path = os.path.join(path, "tokenizer.model")
-        if not os.path.isfile(tok_path):
-            raise FileNotFoundError(f"{path}: no tokenizer.model (needed to encode the context)")
-        tok, train_cfg = Tokenizer(tok_path), {}
-        model = M.SharedLLM(load_llama(path, "cpu", dtype), M.SharedConfig(**shared))
-    else:
-        raise FileNotFoundError(f"{path}: neither a train.py checkpoint (ckpt.pt) nor a LLaMA-2 folder (config.json)")
-    if tok.vocab_size > model.upper.cfg.vocab_size:
-        raise ValueError(f"{path}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
-                         f"{model.upper.cfg.vocab_size}; the checkpoint and tokenizer do not belong together")
-    return model.to(device=device, dtype=dtype).eval(), tok, train_cfg
 
 
 def free_memory_bytes(dev):

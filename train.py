@@ -5,8 +5,7 @@ download, on passkey retrieval mixed with language modeling on the Python standa
   python train.py                                    # the default run (see README for its numbers)
   python train.py --help                             # every setting, with its comment
   python train.py --n_chunks=1 --max_iters=200       # any setting: --name=value
-  python train.py --init_from=/path/to/Llama-2-7b-hf --train=cross --n_lower=4 --chunk_size=1024 \\
-                  --n_chunks=4 --block_size=4096 --task=lm --context_dropout=0   # the paper's LM recipe
+  python train.py config/llama2_7b_lm.py --init_from=/path/to/Llama-2-7b-hf   # a recipe file, then flags on top
   torchrun --nproc_per_node=2 train.py               # several GPUs (or CPU processes over gloo)
 """
 import math
@@ -21,7 +20,9 @@ import torch
 
 import data
 import model as M
-from load_llama import ByteTokenizer, GPT2Tokenizer, Tokenizer, load_llama, tokenizer_from_spec
+from configurator import auto_device, config_of, parse_overrides, peak_flops
+from load_llama import load_llama, read_checkpoint
+from tokenizer import ByteTokenizer, GPT2Tokenizer, Tokenizer, tokenizer_from_spec
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
@@ -80,48 +81,9 @@ seed = 1337
 # -----------------------------------------------------------------------------
 
 
-def parse_overrides(argv, config, script=__file__):
-    # --name=value, type-checked against the default; unknown names are an error. --help prints script's config block.
-    for arg in argv:
-        if arg in ("-h", "--help"):
-            src = open(script).read()
-            print(src[src.index("# config:"):src.index("# " + "-" * 77, src.index("# config:"))])
-            sys.exit(0)
-        if not arg.startswith("--") or "=" not in arg:
-            raise SystemExit(f"bad argument {arg!r}: expected --name=value (see --help)")
-        key, val = arg[2:].split("=", 1)
-        if key not in config:
-            raise SystemExit(f"unknown setting {key!r}; see --help for the list")
-        default = config[key]
-        try:
-            if isinstance(default, bool):
-                if val.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                new = val.lower() in ("true", "1")
-            else:
-                new = type(default)(val)
-        except ValueError:
-            raise SystemExit(f"--{key}={val}: expected a {type(default).__name__} (default {default!r})") from None
-        print(f"overriding: {key} = {new!r}")
-        config[key] = new
-
-
-def config_of(namespace):
-    # a script's config block: its module-level ints, floats, bools and strings
-    return {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
-
-
-def auto_device(device, dtype):
-    # "auto": cuda, then mps, then cpu; bfloat16 where CUDA supports it, else float32 (never float16 by default)
-    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else
-                                           "mps" if torch.backends.mps.is_available() else "cpu")
-    dt = dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
-    return dev, dt
-
-
 config = config_of(globals())
 if __name__ == "__main__":
-    parse_overrides(sys.argv[1:], config)
+    parse_overrides(sys.argv[1:], config, __file__)   # config files (config/*.py), then --name=value flags
     globals().update(config)
 
 # -----------------------------------------------------------------------------
@@ -167,7 +129,10 @@ def main():
         path = os.path.join(out_dir, "ckpt.pt")
         if not os.path.isfile(path):
             raise SystemExit(f"init_from=resume: no checkpoint at {path}")
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            ckpt = read_checkpoint(path)
+        except ValueError as e:
+            raise SystemExit(f"init_from=resume: {e}") from None
         tok = tokenizer_from_spec(ckpt["tokenizer"])
         model_args = ckpt["model_args"]
         llama = M.Llama(M.LlamaConfig(**model_args["llama"]))
@@ -359,26 +324,6 @@ def step_flops(m, n, T):
     upper = 6 * (per_layer * c.n_layers + c.dim * c.vocab_size) * T + 6 * c.n_layers * c.dim * T * T \
         + 6 * m.scfg.n_lower * (2 * c.dim * c.dim + 2 * c.dim * S) * T
     return lower + upper
-
-
-def peak_flops(dev_type, dt, n=None, trials=10):
-    # the device's matmul peak, measured here (no hard-coded A100 number): a large matmul, best of `trials` after a
-    # warm-up (a cold CPU read 0.16 TFLOP/s where a warm one reads 0.27-0.30 on this workplace's 2 cores)
-    n = n or (4096 if dev_type == "cuda" else 1024)
-    a = torch.randn(n, n, device=dev_type, dtype=dt if dev_type == "cuda" else torch.float32)
-    sync = torch.cuda.synchronize if dev_type == "cuda" else (lambda: None)
-    for _ in range(8):
-        a @ a
-    best = float("inf")
-    for _ in range(trials):
-        sync()
-        t = time.time()
-        for _ in range(4):
-            a @ a
-        sync()
-        best = min(best, (time.time() - t) / 4)
-    print(f"measured matmul peak: {2 * n**3 / best / 1e12:.2f} TFLOP/s ({dev_type}, {n}x{n}); MFU is against this")
-    return 2 * n**3 / best
 
 
 def memory_estimate(m, dt, dev):

@@ -12,10 +12,10 @@ import data
 import eval as E
 import sample as S
 from conftest import ROOT
-from load_llama import ByteTokenizer
-from sample import load_sharedllm
+from tokenizer import ByteTokenizer
+from load_llama import load_sharedllm
 from test_train import MICRO, run
-from train import config_of, parse_overrides
+from configurator import config_of, parse_overrides
 
 SCRIPTS = {name: [os.sys.executable, os.path.join(ROOT, name)] for name in ("sample.py", "eval.py")}
 
@@ -25,7 +25,7 @@ def micro_ckpt(tmp_path_factory):
     # a micro checkpoint from train.py, then its weights scaled up so greedy outputs vary and depend on the context
     d = tmp_path_factory.mktemp("micro")
     run(MICRO + ["--max_iters=2", "--eval_interval=2", f"--out_dir={d}", "--policy=query"], d)
-    ck = torch.load(d / "ckpt.pt", weights_only=False)
+    ck = torch.load(d / "ckpt.pt", weights_only=True)
     g = torch.Generator().manual_seed(0)
     for k, v in ck["model"].items():
         if v.dim() == 2:
@@ -174,7 +174,7 @@ def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path, monkeypatch):
                       (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected on or off"),
                       (["--task=ablations", "--compare=nolabel"], "expected label=out_dir")]:
         assert msg in error_of(E, ck + args, tmp_path, monkeypatch)
-    bad = torch.load(micro_ckpt / "ckpt.pt", weights_only=False)
+    bad = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
     bad["tokenizer"] = {"kind": "gpt2"}                 # 50,257 ids for a 258-token model
     os.makedirs(tmp_path / "bad")
     torch.save(bad, tmp_path / "bad" / "ckpt.pt")

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from conftest import SHARED_TOKENIZERS
-from load_llama import ByteTokenizer, GPT2Tokenizer, Tokenizer, tokenizer_from_spec
+from tokenizer import ByteTokenizer, GPT2Tokenizer, Tokenizer, tokenizer_from_spec
 
 SPM = os.path.join(SHARED_TOKENIZERS, "llama-format", "tokenizer.model")
 TIKTOKEN_DIR = os.path.join(SHARED_TOKENIZERS, "tiktoken")

@@ -1,6 +1,7 @@
 # train.py and data.py: config parsing, samples, overfitting, exact resume, the LLaMA-2 path, DDP over gloo.
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -10,8 +11,9 @@ import torch
 
 import data
 import model as M
+from configurator import parse_overrides
 from conftest import ROOT, SHARED_TOKENIZERS, make_hf_checkpoint
-from load_llama import ByteTokenizer
+from tokenizer import ByteTokenizer
 
 MICRO = ["--preset=micro", "--n_lower=1", "--chunk_size=32", "--n_chunks=2", "--chunk_schedule=", "--block_size=48",
          "--batch_size=2", "--eval_iters=1", "--eval_chunks=2", "--log_interval=1", "--device=cpu"]
@@ -26,15 +28,22 @@ def run(args, cwd, ok=True, cmd=None):
 
 
 def test_config_errors(tmp_path, capsys):
-    from train import config, parse_overrides
+    import train
+    bad = tmp_path / "bad.py"
+    bad.write_text("max_iters = 10\nlerning_rate = 1e-3\n")
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("max_iters = 1e3\n")
     for args, msg in [(["--lerning_rate=1"], "unknown setting 'lerning_rate'"),
                       (["--max_iters=ten"], "--max_iters=ten: expected a int"),
                       (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected a bool"),
-                      (["max_iters"], "bad argument 'max_iters'")]:
-        with pytest.raises(SystemExit, match=msg):
-            parse_overrides(args, dict(config))
+                      (["max_iters"], "bad argument 'max_iters'"),
+                      ([str(bad)], f"config file {bad}: unknown setting 'lerning_rate'"),
+                      ([str(wrong)], f"config file {wrong}: expected a int"),
+                      (["config/nope.py"], "config file config/nope.py: not found")]:
+        with pytest.raises(SystemExit, match=re.escape(msg)):
+            parse_overrides(args, dict(train.config), train.__file__)
     with pytest.raises(SystemExit):
-        parse_overrides(["--help"], dict(config))
+        parse_overrides(["--help"], dict(train.config), train.__file__)
     out = capsys.readouterr().out
     assert "learning_rate = 3e-3" in out and "beta_schedule" in out and "def main" not in out   # the config block only
     # errors that main() raises, as the user sees them
@@ -104,10 +113,10 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     assert evals[0].startswith("eval iter 3: passkey@2") and "lm_loss" not in evals[0]   # LM not trained yet: not shown
     assert evals[1].startswith("eval iter 6: passkey@2") and "ppl_ratio@2" in evals[1]
     run(common + [f"--out_dir={part}", "--stop_iter=3"], tmp_path)
-    assert torch.load(os.path.join(part, "ckpt.pt"), weights_only=False)["iter_num"] == 3
+    assert torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)["iter_num"] == 3
     run(common + [f"--out_dir={part}", "--init_from=resume"], tmp_path)
-    a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=False)
-    b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=False)
+    a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=True)
+    b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)
     assert a["iter_num"] == b["iter_num"] == 6
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
@@ -154,6 +163,6 @@ def test_context_dropout_one_never_trains_cross_attention(tmp_path):
                            f"--data_dir={docs}", "--max_iters=3", "--eval_interval=3", f"--out_dir={tmp_path / str(drop)}"],
                   tmp_path)
         assert "lm_loss@2" in out and "passkey@2" in out
-        ck = torch.load(tmp_path / str(drop) / "ckpt.pt", weights_only=False)["model"]
+        ck = torch.load(tmp_path / str(drop) / "ckpt.pt", weights_only=True)["model"]
         wo = [ck[k].abs().max().item() for k in ck if "cross_attention.wo" in k]
         assert wo and (max(wo) == 0) == (drop == 1.0), wo    # with the context (drop 0) it does train

@@ -1,0 +1,25 @@
+# The default run, written out: `python train.py config/tiny.py` is exactly `python train.py` (a test keeps the two
+# equal). A tiny SharedLLM (234K parameters, byte tokens) from scratch on a CPU in about 6-7 minutes: passkey
+# retrieval first, then one batch in three is language modeling on the Python standard library's source.
+preset = "tiny"              # dim 64, 4 layers, GQA 4/2 heads
+tokenizer = "byte"
+task = "mixed"
+lm_from = 2500               # passkey alone until here (text from the start keeps the passkey on its loss plateau)
+passkey_frac = 0.67
+context_dropout = 0.25       # a quarter of the text batches without X_C: a fair "without context" baseline
+n_lower = 2                  # M
+chunk_size = 128             # C
+n_chunks = 4                 # n: X_C = 4 x 128 tokens
+chunk_schedule = "1:1000,2:2000"   # curriculum: 1 chunk, then 2, then 4
+block_size = 64              # T: X_D
+height = 3
+beta = 8
+beta_schedule = "2:1000"     # light compression first
+policy = "query"             # the passkey question steers each tree; text batches have no query and go right
+noise = 0.0
+train = "all"
+batch_size = 16
+learning_rate = 3e-3
+min_lr = 3e-4
+max_iters = 4000
+eval_chunks = "4,16"

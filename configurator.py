@@ -1,0 +1,100 @@
+"""
+The configuration every script shares (nanoGPT's configurator.py, as two functions), and the device choice.
+
+A script's settings are a commented block of module-level names between "# config:" and a dashed line. They
+are overridden on the command line, config files first, then flags, each later one winning:
+
+  python train.py config/smollm2_cpu.py --max_iters=100      # a recipe file, then one change on top
+  python train.py --help                                     # the block itself, with its comments
+
+A config file is plain Python assigning some of those names (see config/). Every value is type-checked
+against the default, and a name the script does not have is an error naming the file or flag.
+"""
+import os
+import sys
+import time
+
+import torch
+
+
+def config_of(namespace):
+    # a script's config block: its module-level ints, floats, bools and strings
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+
+
+def checked(key, value, config, where):
+    # value converted to the type of config[key]; `where` names the file or flag in the error
+    if key not in config:
+        raise SystemExit(f"{where}: unknown setting {key!r}; see --help for the list")
+    default = config[key]
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                value = value.lower() in ("true", "1")
+            elif not isinstance(value, bool):
+                raise ValueError
+            return value
+        if isinstance(value, bool) or (isinstance(value, float) and isinstance(default, int)):
+            raise ValueError   # a bool is not a number, and 1e-3 for an int setting is a mistake, not a 0
+        return type(default)(value)
+    except (ValueError, TypeError):
+        raise SystemExit(f"{where}: expected a {type(default).__name__} (default {default!r})") from None
+
+
+def parse_overrides(argv, config, script):
+    # config files (path ending in .py) and --name=value flags, in order; --help prints the script's config block
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            src = open(script).read()
+            start = src.index("# config:")
+            print(src[start:src.index("# " + "-" * 77, start)])
+            sys.exit(0)
+        if arg.endswith(".py") and not arg.startswith("--"):
+            if not os.path.isfile(arg):
+                raise SystemExit(f"config file {arg}: not found")
+            names = {}
+            exec(compile(open(arg).read(), arg, "exec"), {}, names)   # plain assignments, like nanoGPT's config/
+            print(f"config file {arg}: " + ", ".join(f"{k} = {v!r}" for k, v in names.items() if not k.startswith("_")))
+            for key, value in names.items():
+                if not key.startswith("_"):
+                    config[key] = checked(key, value, config, f"config file {arg}")
+            continue
+        if not arg.startswith("--") or "=" not in arg:
+            raise SystemExit(f"bad argument {arg!r}: expected --name=value or a config file path (see --help)")
+        key, val = arg[2:].split("=", 1)
+        config[key] = checked(key, val, config, f"--{key}={val}" if key in config else f"--{key}")
+        print(f"overriding: {key} = {config[key]!r}")
+    return config
+
+# -----------------------------------------------------------------------------
+# device
+
+
+def auto_device(device, dtype):
+    # "auto": cuda, then mps, then cpu; bfloat16 where CUDA supports it, else float32 (never float16 by default)
+    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else
+                                           "mps" if torch.backends.mps.is_available() else "cpu")
+    dt = dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
+    return dev, dt
+
+
+def peak_flops(dev_type, dt, n=None, trials=10):
+    # the device's matmul peak, measured here (no hard-coded A100 number): a large matmul, best of `trials` after a
+    # warm-up (a cold 2-core CPU read 0.16 TFLOP/s where a warm one reads 0.27-0.30)
+    n = n or (4096 if dev_type == "cuda" else 1024)
+    a = torch.randn(n, n, device=dev_type, dtype=dt if dev_type == "cuda" else torch.float32)
+    sync = torch.cuda.synchronize if dev_type == "cuda" else (lambda: None)
+    for _ in range(8):
+        a @ a
+    best = float("inf")
+    for _ in range(trials):
+        sync()
+        t = time.time()
+        for _ in range(4):
+            a @ a
+        sync()
+        best = min(best, (time.time() - t) / 4)
+    print(f"measured matmul peak: {2 * n**3 / best / 1e12:.2f} TFLOP/s ({dev_type}, {n}x{n}); MFU is against this")
+    return 2 * n**3 / best

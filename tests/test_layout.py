@@ -1,0 +1,101 @@
+# The house: scripts on one floor, layers that only point down, recipe files that parse, checkpoints that cannot run
+# code when loaded.
+import ast
+import glob
+import os
+
+import pytest
+import torch
+
+import eval as E
+import sample as S
+import train
+from configurator import config_of, parse_overrides
+from conftest import ROOT
+from load_llama import load_sharedllm, read_checkpoint
+
+SCRIPTS = {"train", "sample", "eval", "bench"}
+# what each module may import from this project: scripts -> loader -> model -> tree; data and configurator serve
+# the scripts only
+ALLOWED = {
+    "tree": set(),
+    "model": {"tree"},
+    "tokenizer": set(),
+    "load_llama": {"model", "tokenizer"},
+    "configurator": set(),
+    "data": set(),
+}
+
+
+def local_imports(name):
+    ours = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    tree = ast.parse(open(os.path.join(ROOT, name + ".py")).read())
+    found = set()
+    for node in ast.walk(tree):   # every import, also inside functions
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module.split(".")[0])
+    return found & ours
+
+
+def test_no_script_imports_another_and_layers_point_down():
+    modules = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    assert SCRIPTS | set(ALLOWED) == modules, "a new top-level module: give it its place in ALLOWED"
+    for s in SCRIPTS:
+        assert not local_imports(s) & SCRIPTS, f"{s}.py imports the script(s) {local_imports(s) & SCRIPTS}"
+    for m, allowed in ALLOWED.items():
+        assert local_imports(m) <= allowed, f"{m}.py imports {local_imports(m) - allowed}, allowed {allowed}"
+
+
+def test_recipe_files_parse_and_tiny_is_the_default():
+    files = sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))
+    assert len(files) >= 2
+    for f in files:   # every name and type fits train.py's config block
+        parse_overrides([f], dict(train.config), train.__file__)
+    tiny = parse_overrides([os.path.join(ROOT, "config", "tiny.py")], dict(train.config), train.__file__)
+    assert tiny == train.config, "config/tiny.py must describe the default run exactly"
+
+
+class Payload:
+    # unpickling this calls open(marker, "w"): a stand-in for any code a crafted checkpoint could run
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_that_needs_unpickling_is_refused_and_runs_nothing(tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    torch.save({"model": {}, "config": Payload(str(marker)), "model_args": {}, "tokenizer": {"kind": "byte"}},
+               evil / "ckpt.pt")
+    with pytest.raises(ValueError, match="refused: it holds objects other than tensors and plain values"):
+        read_checkpoint(str(evil / "ckpt.pt"))
+    with pytest.raises(ValueError, match=f"{evil / 'ckpt.pt'}: refused"):
+        load_sharedllm(str(evil))
+    monkeypatch.chdir(tmp_path)
+    for script in (S, E):   # as the scripts report it
+        cfg = config_of(vars(script))
+        cfg.update(init_from=str(evil), device="cpu")
+        with pytest.raises(SystemExit, match="refused"):
+            script.main(cfg)
+    monkeypatch.setattr(train, "init_from", "resume")
+    monkeypatch.setattr(train, "out_dir", str(evil))
+    monkeypatch.setattr(train, "device", "cpu")
+    with pytest.raises(SystemExit, match=f"init_from=resume: {evil / 'ckpt.pt'}: refused"):
+        train.main()
+    assert not marker.exists()
+    torch.load(evil / "ckpt.pt", weights_only=False)   # the same file really would have run it
+    assert marker.exists()
+
+
+def test_a_damaged_checkpoint_is_named(tmp_path):
+    (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'ckpt.pt'}: not a readable train.py checkpoint"):
+        load_sharedllm(str(tmp_path))
+    torch.save({"model": {}}, tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="not a train.py checkpoint"):
+        load_sharedllm(str(tmp_path))
