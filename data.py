@@ -25,10 +25,12 @@ QUESTION = "What is the pass key? The pass key is "
 
 
 def corpus_files(data_dir=""):
-    if data_dir:
-        files = sorted(glob.glob(os.path.join(data_dir, "**", "*.txt"), recursive=True))
+    if data_dir:   # a folder (every .txt below it) or a glob pattern
+        pattern = data_dir if glob.has_magic(data_dir) else os.path.join(data_dir, "**", "*.txt")
+        files = sorted(glob.glob(pattern, recursive=True))
         if not files:
-            raise FileNotFoundError(f"data_dir={data_dir!r} holds no .txt files")
+            raise FileNotFoundError(f"data_dir={data_dir!r} holds no .txt files" if pattern != data_dir else
+                                    f"data_dir={data_dir!r} matches no file")
         return files
     return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
 
@@ -43,7 +45,7 @@ def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10):
     for split in ("train", "val"):
         path = os.path.join(cache_dir, f"{key}_{split}")
         if not os.path.exists(path + ".offsets.npy"):
-            docs = [tok.encode(open(f, encoding="utf-8", errors="replace").read(), bos=True)
+            docs = [tok.encode(open(f, encoding="utf-8", errors="replace").read())   # BOS as the tokenizer has it
                     for i, f in enumerate(files) if (i % val_every == val_every - 1) == (split == "val")]
             if not docs:
                 raise ValueError(f"{data_dir or 'the standard library'}: {len(files)} documents leave the {split} split "
@@ -97,8 +99,9 @@ def passkey_sample(tok, rng, n_chunks, chunk_size, T=None, depth=None, key=None)
     L = n_chunks * chunk_size
     if L < len(needle) + 1:
         raise ValueError(f"context of {L} tokens is too short for the passkey needle ({len(needle) + 1} tokens)")
-    hay = [tok.bos_id] + p["filler"] * (L // len(p["filler"]) + 1)
-    at = 1 + round(depth * (L - len(needle) - 1))
+    head = tok.encode("")                                     # BOS, where the tokenizer adds one
+    hay = head + p["filler"] * (L // len(p["filler"]) + 1)
+    at = len(head) + round(depth * (L - len(needle) - len(head)))
     ctx = (hay[:at] + needle + hay[at:])[:L]
     answer = tok.encode(str(key), bos=False)
     xd = p["question"] + answer

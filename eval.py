@@ -34,7 +34,7 @@ chunks = ""                 # chunk counts, e.g. "4,16,64,256"; "" = 1x, 4x, 16x
 block_size = 0              # T: X_D tokens; 0 = as trained
 score_last = 0              # K: scored tokens at the end of X_D; 0 = T // 2
 max_windows = 64            # ppl windows, spread evenly over the validation documents
-data_dir = ""               # as in train.py ("" = the standard library's .py files; validation split)
+data_dir = ""               # a folder of .txt (validation split); "" = the checkpoint's own data_dir (the stdlib's .py)
 depths = "0,0.25,0.5,0.75,1"    # passkey depths: 0 = key at the start of the context, 1 = at its end
 depth_band = -1.0           # each key's depth is uniform within d +- band/2; -1 = the grid's spacing; 0 = exactly d
 samples = 32                # passkey samples per (chunk count, depth) cell
@@ -257,7 +257,7 @@ def main(g):
     t0 = time.time()
     try:
         needs_text = g["task"] == "ppl" or (g["task"] == "ablations" and train_cfg.get("task") != "passkey")
-        splits = data.prepare(tok, g["data_dir"]) if needs_text else None
+        splits = data.prepare(tok, g["data_dir"] or train_cfg.get("data_dir", "")) if needs_text else None
         if g["task"] == "ppl":
             res = run_ppl(model, splits, ns, C, T, K, g, dev)
         elif g["task"] == "passkey":

@@ -1,34 +1,36 @@
 """
-Loading, without `transformers`: a Hugging Face-layout LLaMA-2 checkpoint folder straight into model.py's Llama
-(`load_llama`), a train.py checkpoint safely (`read_checkpoint`), and either of them as a SharedLLM with its
-tokenizer (`load_sharedllm`, what sample.py, eval.py and bench.py start from).
+Loading, without `transformers`: a LLaMA-family checkpoint straight into model.py's Llama (`load_llama`), its
+tokenizer (`load_tokenizer`), a train.py checkpoint safely (`read_checkpoint`), and any of them as a SharedLLM
+with its tokenizer (`load_sharedllm`, what sample.py, eval.py and bench.py start from).
 
-A checkpoint folder (e.g. Llama-2-7b-hf) holds:
-  config.json                                  shapes (every era of it: rope_theta may be missing or nested)
-  model.safetensors, or model.safetensors.index.json + model-0000k-of-0000n.safetensors shards
-  tokenizer.model                              sentencepiece (optional here; its vocab must match config.json)
-HF layout means wq/wk rows are permuted for split-half RoPE; model.py uses that form, so nothing is permuted.
-Everything is checked: a missing or unexpected tensor, a wrong shape or a broken file is an error naming it.
+Two formats:
+- a Hugging Face-layout folder (Llama-2-7b-hf, TinyLlama, SmolLM2): config.json; model.safetensors or an index
+  + shards; the tokenizer as tokenizer.model (sentencepiece) or tokenizer.json (byte-level BPE, run by tiktoken).
+  HF layout stores wq/wk rows permuted for split-half RoPE, the form model.py uses, so nothing is permuted;
+- a llama-architecture .gguf file (llama.cpp, Ollama), through the optional `gguf` package: config and tokenizer
+  from its metadata, tensors dequantized, and llama.cpp's interleaved q/k rows put back in split-half order.
+Everything is checked: a missing or unexpected tensor, a wrong shape, a metadata key or a broken file is an error
+that names it as the checkpoint itself spells it.
 
   python load_llama.py /path/to/Llama-2-7b-hf --prompt "The capital of France is"   # smoke test: greedy decode
+  python load_llama.py model.gguf --save_hf out_folder    # dequantize once into an HF folder that loads faster
 """
 import argparse
 import json
 import os
+import pickle
 import re
 import time
 import zipfile
-
-import pickle
 
 import torch
 from safetensors import safe_open
 
 import model as M
+import tokenizer as T
 from model import Llama, LlamaConfig
-from tokenizer import Tokenizer, tokenizer_from_spec
 
-# HF tensor name -> model.py name; None = known and ignored ("{}" is the layer number)
+# HF tensor name -> model.py name ("{}" is the layer number); HF_IGNORED: known and skipped
 WEIGHT_MAP = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
@@ -36,7 +38,6 @@ WEIGHT_MAP = {
     "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
     "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
     "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
-    "model.layers.{}.self_attn.rotary_emb.inv_freq": None,   # old conversions saved RoPE's buffer; we compute it
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
     "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
@@ -44,6 +45,16 @@ WEIGHT_MAP = {
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
 }
+HF_IGNORED = ["model.layers.{}.self_attn.rotary_emb.inv_freq"]   # old conversions saved RoPE's buffer; we compute it
+
+
+def names(table, cfg):
+    # {their name: our name} for every tensor of this config; a tied head has no tensor of its own
+    out = {}
+    for theirs, ours in table.items():
+        for i in (range(cfg.n_layers) if "{}" in theirs else [None]):
+            out[theirs.format(i)] = ours.format(i)
+    return {t: o for t, o in out.items() if not (cfg.tie_embeddings and o == "output.weight")}
 
 
 def config_from_hf(ckpt_dir):
@@ -61,20 +72,21 @@ def config_from_hf(ckpt_dir):
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         if key not in c:
             raise ValueError(f"{path}: missing key {key!r}")
-    if c.get("tie_word_embeddings"):
-        raise ValueError(f"{path}: tie_word_embeddings is true; LLaMA-2 has an untied output head")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{path}: hidden_act is {c['hidden_act']!r}, expected 'silu'")
+    if c.get("attention_bias") or c.get("mlp_bias"):
+        raise ValueError(f"{path}: attention_bias / mlp_bias is true; LLaMA has no biases")
     rope = c.get("rope_parameters") or {}   # transformers 5 nests rope_theta here; older configs have it on top
     scaling = c.get("rope_scaling") or ({"rope_type": rope["rope_type"]} if rope.get("rope_type", "default") != "default" else None)
     if scaling:
-        raise ValueError(f"{path}: RoPE scaling {scaling} is not supported (plain LLaMA-2 RoPE only)")
+        raise ValueError(f"{path}: RoPE scaling {scaling} is not supported (plain RoPE only)")
     return LlamaConfig(
         dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
         n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], vocab_size=c["vocab_size"],
         hidden_dim=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-5),
         rope_theta=c.get("rope_theta") or rope.get("rope_theta") or 10000.0,
-        max_seq_len=c.get("max_position_embeddings", 4096), head_dim=c.get("head_dim") or 0)
+        max_seq_len=c.get("max_position_embeddings", 4096), head_dim=c.get("head_dim") or 0,
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)))
 
 
 def safetensors_files(ckpt_dir):
@@ -96,52 +108,213 @@ def safetensors_files(ckpt_dir):
     return [single]
 
 
-def our_name(hf_name):
-    template = re.sub(r"\.(\d+)\.", ".{}.", hf_name, count=1)
-    if template not in WEIGHT_MAP:
-        return False   # unknown
-    layer = re.findall(r"\.(\d+)\.", hf_name)
-    target = WEIGHT_MAP[template]
-    return target if target is None or not layer else target.format(layer[0])
+def load_llama(path, device="cpu", dtype=torch.float32):
+    # an HF-layout folder or a .gguf file -> model.Llama in eval mode
+    if path.endswith(".gguf"):
+        return load_gguf(path, device, dtype)
+    cfg = config_from_hf(path)
+    for name in ("tokenizer.json", "tokenizer.model"):   # a tokenizer beside the weights must fit them
+        if os.path.isfile(os.path.join(path, name)):
+            n = load_tokenizer(path).vocab_size
+            if n > cfg.vocab_size:
+                raise ValueError(f"{os.path.join(path, name)} has {n} ids but config.json says vocab_size={cfg.vocab_size}")
+            break
+    ours = names(WEIGHT_MAP, cfg)
+    ignored = {t.format(i) for t in HF_IGNORED for i in range(cfg.n_layers)}
+    if cfg.tie_embeddings:
+        ignored.add("lm_head.weight")   # some tied checkpoints store the head anyway; HF ties it to the embedding
+    sd = {}
+    for f in safetensors_files(path):   # one tensor at a time: never two full copies in memory
+        try:
+            st = safe_open(f, framework="pt", device="cpu")
+        except Exception as e:
+            raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
+        with st:
+            for name in st.keys():
+                if name in ignored:
+                    continue
+                if name not in ours:
+                    raise ValueError(f"{f}: unexpected tensor {name!r} (not part of a {cfg.n_layers}-layer LLaMA)")
+                try:
+                    sd[name] = st.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"{f}: cannot read tensor {name!r} ({e})") from None
+    return build(cfg, sd, ours, path, device, dtype)
 
 
-def load_llama(ckpt_dir, device="cpu", dtype=torch.float32):
-    cfg = config_from_hf(ckpt_dir)
-    tok_path = os.path.join(ckpt_dir, "tokenizer.model")
-    n_pieces = Tokenizer(tok_path).vocab_size if os.path.isfile(tok_path) else cfg.vocab_size
-    if n_pieces != cfg.vocab_size:
-        raise ValueError(f"{tok_path} has {n_pieces} pieces but config.json says vocab_size={cfg.vocab_size}")
+def build(cfg, sd, ours, source, device, dtype):
+    # their tensors {their name: tensor} -> model.Llama, every name and shape checked against cfg
     with torch.device("meta"):   # no memory for the random init: every parameter is replaced by a loaded tensor
         model = Llama(cfg)
-    expected = dict(model.state_dict())
-    sd = {}
-    for path in safetensors_files(ckpt_dir):   # one tensor at a time: never two full copies in memory
-        try:
-            f = safe_open(path, framework="pt", device="cpu")
-        except Exception as e:
-            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
-        with f:
-            for name in f.keys():
-                ours = our_name(name)
-                if ours is None:
-                    continue
-                if ours is False or ours not in expected:
-                    raise ValueError(f"{path}: unexpected tensor {name!r} (not part of a {cfg.n_layers}-layer LLaMA)")
-                try:
-                    t = f.get_tensor(name)
-                except Exception as e:
-                    raise ValueError(f"{path}: cannot read tensor {name!r} ({e})") from None
-                if tuple(t.shape) != tuple(expected[ours].shape):
-                    raise ValueError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                     f"expected {tuple(expected[ours].shape)} from config.json")
-                if not t.is_floating_point():
-                    raise ValueError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected a float type")
-                sd[ours] = t.to(device=device, dtype=dtype)
-    missing = [k for k in expected if k not in sd]
+    expected = model.state_dict()
+    missing = [t for t in ours if t not in sd]
     if missing:
-        raise ValueError(f"{ckpt_dir}: {len(missing)} tensors missing, e.g. {missing[:3]}")
-    model.load_state_dict(sd, strict=True, assign=True)
+        raise ValueError(f"{source}: {len(missing)} tensors missing, e.g. {missing[:3]}")
+    state = {}
+    for theirs, t in sd.items():
+        want = tuple(expected[ours[theirs]].shape)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{source}: tensor {theirs!r} has shape {tuple(t.shape)}, expected {want} from the config")
+        if not t.is_floating_point():
+            raise ValueError(f"{source}: tensor {theirs!r} has dtype {t.dtype}, expected a float type")
+        state[ours[theirs]] = t.to(device=device, dtype=dtype)
+    if cfg.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_embeddings:   # assign=True made two Parameters of one tensor: make them one again
+        model.output.weight = model.tok_embeddings.weight
     return model.eval()
+
+# -----------------------------------------------------------------------------
+# GGUF files (llama.cpp, Ollama): metadata keys and tensor names are llama.cpp's
+
+GGUF_MAP = {
+    "token_embd.weight": "tok_embeddings.weight",
+    "blk.{}.attn_norm.weight": "layers.{}.attention_norm.weight",
+    "blk.{}.attn_q.weight": "layers.{}.attention.wq.weight",
+    "blk.{}.attn_k.weight": "layers.{}.attention.wk.weight",
+    "blk.{}.attn_v.weight": "layers.{}.attention.wv.weight",
+    "blk.{}.attn_output.weight": "layers.{}.attention.wo.weight",
+    "blk.{}.ffn_norm.weight": "layers.{}.ffn_norm.weight",
+    "blk.{}.ffn_gate.weight": "layers.{}.feed_forward.w1.weight",
+    "blk.{}.ffn_down.weight": "layers.{}.feed_forward.w2.weight",
+    "blk.{}.ffn_up.weight": "layers.{}.feed_forward.w3.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+}
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def read_gguf(path):
+    # -> (the gguf reader, its metadata as {key: python value})
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError(f"{path}: reading a .gguf file needs the optional package gguf (pip install gguf)") from None
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        r = gguf.GGUFReader(path)
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({e.__class__.__name__}: {e})") from None
+    return r, {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+
+
+def config_from_gguf(meta, path):
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: general.architecture is {arch!r}, expected 'llama'")
+
+    def get(key, default=None):
+        if f"llama.{key}" not in meta and default is None:
+            raise ValueError(f"{path}: missing metadata key 'llama.{key}'")
+        return meta.get(f"llama.{key}", default)
+    if meta.get("llama.rope.scaling.type", "none") != "none":
+        raise ValueError(f"{path}: llama.rope.scaling.type is {meta['llama.rope.scaling.type']!r}; plain RoPE only")
+    n_heads = get("attention.head_count")
+    return LlamaConfig(dim=get("embedding_length"), n_layers=get("block_count"), n_heads=n_heads,
+                       n_kv_heads=get("attention.head_count_kv", n_heads), hidden_dim=get("feed_forward_length"),
+                       vocab_size=get("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or None),
+                       norm_eps=get("attention.layer_norm_rms_epsilon"), rope_theta=get("rope.freq_base", 10000.0),
+                       max_seq_len=get("context_length", 4096), head_dim=get("attention.key_length", 0),
+                       tie_embeddings=False)
+
+
+def load_gguf(path, device="cpu", dtype=torch.float32):
+    import gguf
+    r, meta = read_gguf(path)
+    cfg = config_from_gguf(meta, path)
+    present = {t.name for t in r.tensors}
+    cfg.tie_embeddings = "output.weight" not in present   # llama.cpp writes no head for tied embeddings
+    ours = names(GGUF_MAP, cfg)
+    sd = {}
+    for t in r.tensors:
+        if t.name == "rope_freqs.weight":
+            raise ValueError(f"{path}: tensor 'rope_freqs.weight' means scaled RoPE (Llama-3.1 style); plain RoPE only")
+        if t.name not in ours:
+            raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a {cfg.n_layers}-layer LLaMA)")
+        kind = t.tensor_type.name
+        if kind not in GGUF_TYPES:
+            raise ValueError(f"{path}: tensor {t.name!r} is stored as {kind}; supported: {', '.join(GGUF_TYPES)}")
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        w = w.reshape([int(d) for d in reversed(t.shape.tolist())])   # GGUF lists dims fastest-first
+        if t.name.endswith(("attn_q.weight", "attn_k.weight")):   # interleaved RoPE rows -> split halves, per head
+            heads = cfg.n_heads if "attn_q" in t.name else cfg.n_kv_heads
+            w = w.view(heads, cfg.head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+        sd[t.name] = w
+    return build(cfg, sd, ours, path, device, dtype)
+
+
+def save_hf(model, tok, out_dir):
+    # model.Llama (+ a BPETokenizer) -> an HF-layout folder that load_llama and transformers both read
+    from safetensors.torch import save_file
+    c = model.cfg
+    os.makedirs(out_dir, exist_ok=True)
+    theirs = {o: t for t, o in names(WEIGHT_MAP, c).items()}
+    sd = {theirs[k]: v.contiguous() for k, v in model.state_dict().items() if k in theirs}
+    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=c.dim, num_hidden_layers=c.n_layers,
+               num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, intermediate_size=c.hidden_dim,
+               vocab_size=c.vocab_size, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, head_dim=c.head_dim,
+               max_position_embeddings=c.max_seq_len, tie_word_embeddings=c.tie_embeddings, hidden_act="silu",
+               bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, torch_dtype=str(next(model.parameters()).dtype)[6:])
+    json.dump(cfg, open(os.path.join(out_dir, "config.json"), "w"), indent=1)
+    json.dump(T.to_tokenizer_json(tok), open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8"),
+              ensure_ascii=False)
+
+# -----------------------------------------------------------------------------
+# tokenizers from checkpoint files
+
+GGUF_PRE = {"gpt2": T.GPT2_PATTERN, "smollm": T.DIGITS_PATTERN}   # tokenizer.ggml.pre -> pre-tokenizer regex
+
+
+def load_tokenizer(path):
+    # the tokenizer of a checkpoint: an HF folder (tokenizer.json or tokenizer.model), a .gguf file, or the file itself
+    if path.endswith(".gguf"):
+        return tokenizer_from_gguf(read_gguf(path)[1], path)
+    if os.path.isdir(path):
+        ids = {}
+        if os.path.isfile(os.path.join(path, "config.json")):
+            c = json.load(open(os.path.join(path, "config.json")))
+            ids = dict(bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"))
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return T.from_tokenizer_json(os.path.join(path, "tokenizer.json"), **ids)
+        path = os.path.join(path, "tokenizer.model")
+    if path.endswith(".json"):
+        return T.from_tokenizer_json(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no tokenizer there (tokenizer.json or tokenizer.model)")
+    return T.Tokenizer(path)
+
+
+def tokenizer_from_gguf(meta, path):
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported yet")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre"):
+        if key not in meta:
+            raise ValueError(f"{path}: missing metadata key {key!r}")
+    pre = meta["tokenizer.ggml.pre"]
+    if pre not in GGUF_PRE:
+        raise ValueError(f"{path}: tokenizer.ggml.pre is {pre!r}; supported: {sorted(GGUF_PRE)}")
+    tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", [])
+    special = {i for i, t in enumerate(types) if t in (3, 4)}   # llama.cpp: 3 control, 4 user-defined
+    vocab = {s: i for i, s in enumerate(tokens) if i not in special}
+    return T.BPETokenizer(vocab, [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]], GGUF_PRE[pre],
+                          {tokens[i]: i for i in sorted(special)}, meta.get("tokenizer.ggml.bos_token_id"),
+                          meta.get("tokenizer.ggml.eos_token_id"), bool(meta.get("tokenizer.ggml.add_bos_token")), path)
+
+
+def tokenizer_from_spec(spec):
+    # the tokenizer a train.py checkpoint names
+    kind = spec.get("kind")
+    if kind == "byte":
+        return T.ByteTokenizer()
+    if kind == "gpt2":
+        return T.GPT2Tokenizer()
+    if kind in ("sentencepiece", "bpe"):
+        return load_tokenizer(spec["path"])
+    raise ValueError(f"unknown tokenizer spec {spec!r}; expected kind 'byte', 'gpt2', 'sentencepiece' or 'bpe'")
 
 # -----------------------------------------------------------------------------
 # train.py checkpoints, and a SharedLLM from either kind of path
@@ -163,8 +336,8 @@ def read_checkpoint(path):
 
 
 def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
-    # A SharedLLM and its tokenizer from either a train.py checkpoint (a ckpt.pt file or the out_dir holding one) or a
-    # LLaMA-2 folder (untrained cross-attention: exactly the base model until trained). shared: SharedConfig
+    # A SharedLLM and its tokenizer from a train.py checkpoint (a ckpt.pt file or the out_dir holding one), or from a
+    # LLaMA folder or .gguf file (untrained cross-attention: exactly the base model until trained). shared: SharedConfig
     # overrides at inference (height, beta, policy, ...). Returns (model in eval mode, tokenizer, train config).
     ckpt_file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if os.path.isfile(ckpt_file):
@@ -183,14 +356,12 @@ def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
         except RuntimeError as e:
             raise ValueError(f"{ckpt_file}: its weights do not fit its own model_args ({e})") from None
         model.scfg = M.SharedConfig(**{**args["shared"], **shared})   # inference-time settings only: no new weights
-    elif os.path.isfile(os.path.join(path, "config.json")):
-        tok_path = os.path.join(path, "tokenizer.model")
-        if not os.path.isfile(tok_path):
-            raise FileNotFoundError(f"{path}: no tokenizer.model (needed to encode the context)")
-        tok, train_cfg = Tokenizer(tok_path), {}
+    elif path.endswith(".gguf") or os.path.isfile(os.path.join(path, "config.json")):
+        tok, train_cfg = load_tokenizer(path), {}
         model = M.SharedLLM(load_llama(path, "cpu", dtype), M.SharedConfig(**shared))
     else:
-        raise FileNotFoundError(f"{path}: neither a train.py checkpoint (ckpt.pt) nor a LLaMA-2 folder (config.json)")
+        raise FileNotFoundError(f"{path}: neither a train.py checkpoint (ckpt.pt) nor a LLaMA folder (config.json) "
+                                "or .gguf file")
     if tok.vocab_size > model.upper.cfg.vocab_size:
         raise ValueError(f"{path}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                          f"{model.upper.cfg.vocab_size}; the checkpoint and tokenizer do not belong together")
@@ -198,23 +369,31 @@ def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="Load a HF-layout LLaMA-2 folder and greedy-decode a few tokens.")
-    ap.add_argument("ckpt_dir")
+    ap = argparse.ArgumentParser(description="Load a LLaMA-family checkpoint (HF folder or .gguf) and greedy-decode a few "
+                                             "tokens; or convert a .gguf into an HF folder with --save_hf.")
+    ap.add_argument("path")
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("--max_new_tokens", type=int, default=20)
+    ap.add_argument("--save_hf", default="", help="write the checkpoint here as an HF-layout folder (safetensors)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, else float32)")
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    tok_path = os.path.join(args.ckpt_dir, "tokenizer.model")
-    if not os.path.isfile(tok_path):
-        raise SystemExit(f"no tokenizer.model in {args.ckpt_dir}: it is needed to encode the prompt")
-    tok = Tokenizer(tok_path)
-    t0 = time.time()
-    model = load_llama(args.ckpt_dir, args.device, dtype)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") and not args.save_hf else "float32"))
+    try:
+        tok = load_tokenizer(args.path)
+        t0 = time.time()
+        model = load_llama(args.path, args.device, dtype)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise SystemExit(f"load_llama.py: {e}") from None
     c = model.cfg
-    print(f"loaded {args.ckpt_dir} in {time.time() - t0:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
-          f"params, dim={c.dim} layers={c.n_layers} heads={c.n_heads}/{c.n_kv_heads} on {args.device} in {dtype}")
+    print(f"loaded {args.path} in {time.time() - t0:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+          f"params, dim={c.dim} layers={c.n_layers} heads={c.n_heads}/{c.n_kv_heads}, tied head {c.tie_embeddings}, "
+          f"on {args.device} in {dtype}")
+    if args.save_hf:
+        if not isinstance(tok, T.BPETokenizer):
+            raise SystemExit("load_llama.py: --save_hf writes tokenizer.json, which needs a byte-level BPE tokenizer")
+        save_hf(model, tok, args.save_hf)
+        print(f"wrote {args.save_hf}: model.safetensors, config.json, tokenizer.json")
     idx = torch.tensor([tok.encode(args.prompt)], device=args.device)
     out = model.generate(idx, args.max_new_tokens, eos_id=tok.eos_id)
     print(repr(args.prompt), "->", repr(tok.decode(out[0, idx.shape[1]:].tolist())))

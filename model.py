@@ -48,6 +48,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 4096     # the context window the base model was trained for (informational: RoPE takes any position)
     head_dim: int = 0           # 0 means dim // n_heads
+    tie_embeddings: bool = False   # the output head IS the embedding matrix (SmolLM2, Llama-3.2 1B/3B); LLaMA-2: untied
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.dim // self.n_heads
@@ -244,7 +245,9 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)   # untied from the embedding, as in LLaMA-2
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:   # one tensor in two places: it trains, saves and loads as one
+            self.output.weight = self.tok_embeddings.weight
         self.checkpointing = False   # activation checkpointing of the blocks while training (train.py sets it)
         self.apply(self._init_weights)
 

@@ -107,7 +107,7 @@ def main(cfg):
             text = open(text[5:], encoding="utf-8", errors="replace").read()
         if not text.strip():
             raise SystemExit("sample.py: --context is empty; give a string or FILE:path")
-        ids = tok.encode(text, bos=True)
+        ids = tok.encode(text)
         if not g["prompt"]:
             raise SystemExit("sample.py: --prompt is empty; the running text X_D needs at least one token")
         prompt_ids = tok.encode(g["prompt"], bos=False)

@@ -1,13 +1,15 @@
 """
-The tokenizers this project uses, behind one interface: encode(text, bos, eos) -> ids, decode(ids) -> text,
-bos_id, eos_id, vocab_size, and `spec`, a small dict of plain values that train.py stores in its checkpoints and
-`tokenizer_from_spec` turns back into the tokenizer.
+The tokenizers this project uses, behind one interface: encode(text, bos=None, eos=False) -> ids (bos None = the
+checkpoint's own convention, `add_bos`), decode(ids) -> text, bos_id, eos_id, vocab_size, and `spec`, a small dict
+of plain values that train.py stores in its checkpoints and load_llama.tokenizer_from_spec turns back into it.
 
 - ByteTokenizer: UTF-8 bytes, no file at all (the tiny from-scratch runs);
 - GPT2Tokenizer: GPT-2 BPE through tiktoken. tiktoken downloads its BPE files once and caches them; offline, point
   TIKTOKEN_CACHE_DIR at a folder that holds them (cache file names are tiktoken's own);
-- Tokenizer: a sentencepiece model, as LLaMA-2's tokenizer.model.
+- Tokenizer: a sentencepiece model, as LLaMA-2's tokenizer.model;
+- BPETokenizer: the byte-level BPE of an HF tokenizer.json or a GGUF file (SmolLM2, Llama-3), through tiktoken.
 """
+import json
 import os
 
 
@@ -22,10 +24,11 @@ class Tokenizer:
         except Exception as e:
             raise ValueError(f"{path}: not a sentencepiece model ({e})") from None
         self.bos_id, self.eos_id, self.vocab_size = self.sp.bos_id(), self.sp.eos_id(), self.sp.vocab_size()
+        self.add_bos = True
         self.spec = {"kind": "sentencepiece", "path": os.path.abspath(path)}
 
-    def encode(self, text, bos=True, eos=False):
-        return [self.bos_id] * bos + self.sp.encode(text) + [self.eos_id] * eos
+    def encode(self, text, bos=None, eos=False):
+        return [self.bos_id] * (self.add_bos if bos is None else bos) + self.sp.encode(text) + [self.eos_id] * eos
 
     def decode(self, ids):
         return self.sp.decode(list(ids))
@@ -42,10 +45,11 @@ class GPT2Tokenizer:
                                f"folder holding them; see tokenizer.py ({e.__class__.__name__}: {e})") from None
         self.bos_id = self.eos_id = self.enc.eot_token
         self.vocab_size = self.enc.n_vocab
+        self.add_bos = True
         self.spec = {"kind": "gpt2"}
 
-    def encode(self, text, bos=True, eos=False):
-        return [self.bos_id] * bos + self.enc.encode_ordinary(text) + [self.eos_id] * eos
+    def encode(self, text, bos=None, eos=False):
+        return [self.bos_id] * (self.add_bos if bos is None else bos) + self.enc.encode_ordinary(text) + [self.eos_id] * eos
 
     def decode(self, ids):
         return self.enc.decode([i for i in ids if i < self.vocab_size])
@@ -53,24 +57,130 @@ class GPT2Tokenizer:
 
 class ByteTokenizer:
     # UTF-8 bytes 0..255, then BOS 256 and EOS 257. Needs no file: the tiny configs use it.
-    bos_id, eos_id, vocab_size = 256, 257, 258
+    bos_id, eos_id, vocab_size, add_bos = 256, 257, 258, True
     spec = {"kind": "byte"}
 
-    def encode(self, text, bos=True, eos=False):
-        return [self.bos_id] * bos + list(text.encode("utf-8")) + [self.eos_id] * eos
+    def encode(self, text, bos=None, eos=False):
+        return [self.bos_id] * (self.add_bos if bos is None else bos) + list(text.encode("utf-8")) + [self.eos_id] * eos
 
     def decode(self, ids):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def tokenizer_from_spec(spec):
-    kind = spec.get("kind")
-    if kind == "byte":
-        return ByteTokenizer()
-    if kind == "gpt2":
-        return GPT2Tokenizer()
-    if kind == "sentencepiece":
-        return Tokenizer(spec["path"])
-    raise ValueError(f"unknown tokenizer spec {spec!r}; expected kind 'byte', 'gpt2' or 'sentencepiece'")
+def bytes_to_unicode():
+    # GPT-2's reversible map from the 256 byte values to printable characters: byte-level BPE vocabularies (HF
+    # tokenizer.json, GGUF "gpt2") write every token in it. Printable Latin-1 bytes stand for themselves.
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
 
 
+# pre-tokenizer patterns: text is cut into pieces by a regex first; BPE never merges across pieces
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# the same after a Digits(individual_digits) pre-tokenizer (SmolLM2): every digit is a piece of its own, and a piece
+# also ends before a digit (hence the lookahead that lets trailing whitespace stop there)
+DIGITS_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+
+
+class BPETokenizer:
+    # Byte-level BPE with the checkpoint's own vocabulary, merges and ids, run by tiktoken (no `tokenizers` needed).
+    # tiktoken merges the adjacent pair whose merged token has the lowest rank, which is exactly HF's "apply the
+    # earliest merge first" when the rank is the merge's position: bytes get ranks 0..255, merge i gets 256 + i, and
+    # a table maps ranks back to the checkpoint's ids. Special-token strings inside a text are encoded as plain text.
+    def __init__(self, vocab, merges, pattern, specials, bos_id, eos_id, add_bos, source):
+        import numpy as np
+        import tiktoken
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        ranks, id_of_rank = {}, []
+        for b, c in bytes_to_unicode().items():
+            if c not in vocab:
+                raise ValueError(f"{source}: the vocabulary has no token for byte {b} ({c!r}); not a byte-level BPE")
+            ranks[bytes([b])] = b
+            id_of_rank.append(vocab[c])
+        for i, (a, b) in enumerate(merges):
+            if a + b not in vocab:
+                raise ValueError(f"{source}: merge #{i} ({a!r}, {b!r}) makes {a + b!r}, which is not in the vocabulary")
+            ranks[bytes(byte_of[ch] for ch in a + b)] = 256 + i
+            id_of_rank.append(vocab[a + b])
+        special_ranks = {s: len(id_of_rank) + j for j, s in enumerate(specials)}
+        id_of_rank += list(specials.values())
+        self.enc = tiktoken.Encoding(name=source, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special_ranks)
+        self.id_of_rank = np.array(id_of_rank)
+        self.rank_of_id = {i: r for r, i in enumerate(id_of_rank)}
+        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self.vocab, self.merges, self.specials, self.pattern = vocab, merges, specials, pattern   # for to_tokenizer_json
+        self.vocab_size = max(max(vocab.values()), *specials.values()) + 1
+        self.spec = {"kind": "bpe", "path": os.path.abspath(source)}
+
+    def encode(self, text, bos=None, eos=False):
+        bos = self.add_bos if bos is None else bos
+        ids = self.id_of_rank[self.enc.encode_ordinary(text)].tolist() if text else []
+        return [self.bos_id] * bos + ids + [self.eos_id] * eos
+
+    def decode(self, ids):
+        return self.enc.decode_bytes([self.rank_of_id[i] for i in ids if i in self.rank_of_id]).decode("utf-8", "replace")
+
+
+# HF tokenizer.json pre-tokenizers this reads, as tiktoken patterns (and back, for writing one)
+def pattern_of(pre, source):
+    kind = (pre or {}).get("type")
+    if kind == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+        return GPT2_PATTERN
+    steps = pre.get("pretokenizers", []) if kind == "Sequence" else []
+    kinds = [p.get("type") for p in steps]
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+        return DIGITS_PATTERN
+    if kinds == ["Split", "ByteLevel"] and steps[0].get("behavior") == "Isolated" and not steps[1].get("use_regex", True):
+        return steps[0]["pattern"]["Regex"]   # Llama-3: the regex itself, then bytes mapped without a second split
+    raise ValueError(f"{source}: pre_tokenizer {json.dumps(pre)[:200]} is not supported (byte-level BPE with the GPT-2 "
+                     "regex, individual digits, or a Split regex)")
+
+
+def pretokenizer_json(pattern):
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    if pattern == GPT2_PATTERN:
+        return byte_level
+    if pattern == DIGITS_PATTERN:
+        return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
+    return {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+                                                   "invert": False}, {**byte_level, "use_regex": False}]}
+
+
+def from_tokenizer_json(path, bos_id=None, eos_id=None):
+    # an HF tokenizer.json of model type BPE (byte-level). BOS/EOS ids come from the caller (config.json) when known;
+    # whether BOS is added comes from the post-processor, as HF does it.
+    try:
+        t = json.load(open(path, encoding="utf-8"))
+        m = t["model"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a tokenizer.json ({e.__class__.__name__}: {e})") from None
+    if m.get("type") != "BPE":
+        raise ValueError(f"{path}: model.type is {m.get('type')!r}; only byte-level 'BPE' tokenizers are supported")
+    if t.get("normalizer"):
+        raise ValueError(f"{path}: normalizer {t['normalizer'].get('type')!r} is not supported (byte-level BPE has none)")
+    merges = [tuple(x.split(" ")) if isinstance(x, str) else tuple(x) for x in m["merges"]]
+    specials = {a["content"]: a["id"] for a in t.get("added_tokens", [])}
+    post = json.dumps(t.get("post_processor") or {})
+    by_name = {v: k for k, v in specials.items()}
+    add_bos = bos_id is not None and by_name.get(bos_id, "\0") in post
+    return BPETokenizer(m["vocab"], merges, pattern_of(t.get("pre_tokenizer"), path), specials, bos_id, eos_id,
+                        add_bos, path)
+
+
+def to_tokenizer_json(tok):
+    # the HF tokenizer.json of a BPETokenizer: what `tokenizers` and from_tokenizer_json read back
+    added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for s, i in sorted(tok.specials.items(), key=lambda x: x[1])]
+    post = None
+    if tok.add_bos:
+        bos = next(s for s, i in tok.specials.items() if i == tok.bos_id)
+        post = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {bos: {"id": bos, "ids": [tok.bos_id], "tokens": [bos]}}}
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+            "pre_tokenizer": pretokenizer_json(tok.pattern), "post_processor": post,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": tok.vocab, "merges": [list(m) for m in tok.merges]}}

@@ -20,14 +20,14 @@ import torch
 
 import data
 import model as M
-from configurator import auto_device, config_of, parse_overrides, peak_flops
-from load_llama import load_llama, read_checkpoint
-from tokenizer import ByteTokenizer, GPT2Tokenizer, Tokenizer, tokenizer_from_spec
+from configurator import auto_device, config_of, package_path, parse_overrides, peak_flops
+from load_llama import load_llama, load_tokenizer, read_checkpoint, tokenizer_from_spec
+from tokenizer import ByteTokenizer, GPT2Tokenizer
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
 out_dir = "out"
-init_from = "scratch"       # "scratch" | "resume" (from out_dir) | a LLaMA-2 folder in HF layout
+init_from = "scratch"       # "scratch" | "resume" (from out_dir) | a LLaMA folder in HF layout | a .gguf file
 eval_interval = 500         # evaluate and checkpoint every this many iterations
 eval_iters = 8              # batches per eval setting
 log_interval = 100
@@ -40,8 +40,8 @@ lm_from = 2500              # in "mixed", language-modeling batches join at this
                             # mixed in from the start, text keeps the passkey on its plateau)
 context_dropout = 0.25      # share of language-modeling batches trained without X_C, so the upper model also works
                             # alone (a fair "without context" baseline; a pretrained LLaMA has that for free)
-data_dir = ""               # a folder of .txt files; "" = the Python standard library's .py files
-tokenizer = "byte"          # "byte" | "gpt2" | a sentencepiece .model path (a LLaMA-2 folder brings its own)
+data_dir = ""               # a folder of .txt files (or a glob like dir/*_gut.txt); "" = the standard library's .py
+tokenizer = "byte"          # "byte" | "gpt2" | a tokenizer.model / tokenizer.json path (a LLaMA folder brings its own)
 n_chunks = 4                # n: context chunks per training sample (X_C = n x C tokens)
 chunk_schedule = "1:1000,2:2000"   # curriculum: 1 chunk until iter 1000, 2 until 2000, then n_chunks ("" = off)
 beta_schedule = "2:1000"    # curriculum on compression: beta 2 until iter 1000, then beta ("" = off)
@@ -121,7 +121,7 @@ def main():
                 noise=noise, chunk_ids=chunk_ids, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
     ckpt = None
     if init_from == "scratch":
-        tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: Tokenizer(tokenizer))()
+        tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: load_tokenizer(tokenizer))()
         vocab = M.PRESETS[preset]["vocab_size"] if preset in M.PRESETS else 0
         llama = M.Llama(M.preset(preset, vocab_size=max(vocab, tok.vocab_size)))
         model_args = dict(llama=asdict(llama.cfg), shared=scfg)
@@ -137,12 +137,12 @@ def main():
         model_args = ckpt["model_args"]
         llama = M.Llama(M.LlamaConfig(**model_args["llama"]))
         scfg = model_args["shared"]
-    else:   # a LLaMA-2 folder: both models come from this one checkpoint
-        tok_path = os.path.join(init_from, "tokenizer.model")
-        if not os.path.isfile(tok_path):
-            raise SystemExit(f"init_from={init_from}: no tokenizer.model there (needed to tokenize the data)")
-        tok = Tokenizer(tok_path)
-        llama = load_llama(init_from, "cpu", ptdtype if dev_type == "cuda" else torch.float32)
+    else:   # a LLaMA folder or .gguf file: both models come from this one checkpoint
+        try:
+            tok = load_tokenizer(package_path(init_from))
+            llama = load_llama(package_path(init_from), "cpu", ptdtype if dev_type == "cuda" else torch.float32)
+        except (ValueError, FileNotFoundError, ImportError) as e:
+            raise SystemExit(f"init_from={init_from}: {e}") from None
         model_args = dict(llama=asdict(llama.cfg), shared=scfg)
     if tok.vocab_size > llama.cfg.vocab_size:
         raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {llama.cfg.vocab_size}")
@@ -173,7 +173,7 @@ def main():
     # data, optimizer, schedule
     if ddp and not master:
         torch.distributed.barrier()   # rank 0 tokenizes the corpus first; the others then read its cache
-    splits = data.prepare(tok, data_dir) if task != "passkey" else None
+    splits = data.prepare(tok, package_path(data_dir)) if task != "passkey" else None
     if ddp and master:
         torch.distributed.barrier()
     params = [p for p in raw.parameters() if p.requires_grad]

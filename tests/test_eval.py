@@ -158,7 +158,7 @@ def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path, monkeypatch):
     # as the user sees it, once per script: a subprocess
     for script in ("sample.py", "eval.py"):
         out = run([f"--init_from={tmp_path}/nope"], tmp_path, ok=False, cmd=SCRIPTS[script])
-        assert "neither a train.py checkpoint (ckpt.pt) nor a LLaMA-2 folder (config.json)" in out
+        assert "neither a train.py checkpoint (ckpt.pt) nor a LLaMA folder (config.json) or .gguf file" in out
     assert "unknown setting 'temprature'" in error_of(S, ["--temprature=1"], tmp_path, monkeypatch)
     assert "unknown setting 'chunk'" in error_of(E, ["--chunk=4"], tmp_path, monkeypatch)
     ck = [f"--init_from={micro_ckpt}", "--device=cpu"]
@@ -208,3 +208,16 @@ def test_sample_from_a_llama2_folder(tmp_path, capsys):
     cfg.update(init_from=str(tmp_path), context="a long document. " * 20, prompt="Summary:", max_new_tokens=4,
                n_lower=1, chunk_size=16, height=2, beta=4, device="cpu")
     assert len(S.main(cfg)) == 4 and "chunks of C = 16" in capsys.readouterr().out
+
+
+def test_eval_reads_the_checkpoints_own_data(micro_ckpt, tmp_path, monkeypatch):
+    # no --data_dir: the validation documents come from the folder the checkpoint was trained on
+    ck = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
+    ck["config"]["data_dir"] = str(micro_ckpt / "docs")
+    (tmp_path / "own").mkdir()
+    torch.save(ck, tmp_path / "own" / "ckpt.pt")
+    seen, real = [], data.prepare
+    monkeypatch.setattr(data, "prepare", lambda tok, d: seen.append(d) or real(tok, d, str(tmp_path / "cache")))
+    cfg = config_of(vars(E))
+    cfg.update(init_from=str(tmp_path / "own"), task="ppl", chunks="1", max_windows=2, device="cpu")
+    assert len(E.main(cfg)) == 1 and seen == [str(micro_ckpt / "docs")]

@@ -111,7 +111,7 @@ def test_corrupt_header(ckpt):
 
 def test_missing_tensor(ckpt):
     edit_tensors(ckpt, lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"1 tensors missing, e.g. \['layers.1.feed_forward.w3.weight'\]"):
+    with pytest.raises(ValueError, match=r"1 tensors missing, e.g. \['model.layers.1.mlp.up_proj.weight'\]"):
         load_llama(ckpt)
 
 
@@ -140,7 +140,7 @@ def test_vocab_disagrees_with_tokenizer(ckpt):
     if not os.path.isfile(src):
         pytest.skip("shared tokenizer files not present")
     shutil.copy(src, os.path.join(ckpt, "tokenizer.model"))
-    with pytest.raises(ValueError, match="tokenizer.model has 32000 pieces but config.json says vocab_size=320"):
+    with pytest.raises(ValueError, match="tokenizer.model has 32000 ids but config.json says vocab_size=320"):
         load_llama(ckpt)
 
 

@@ -4,7 +4,8 @@ import os
 import pytest
 
 from conftest import SHARED_TOKENIZERS
-from tokenizer import ByteTokenizer, GPT2Tokenizer, Tokenizer, tokenizer_from_spec
+from load_llama import tokenizer_from_spec
+from tokenizer import ByteTokenizer, GPT2Tokenizer, Tokenizer
 
 SPM = os.path.join(SHARED_TOKENIZERS, "llama-format", "tokenizer.model")
 TIKTOKEN_DIR = os.path.join(SHARED_TOKENIZERS, "tiktoken")
