@@ -17,7 +17,7 @@ import torch
 
 import model as M
 import tree
-from configurator import auto_device, config_of, parse_overrides, peak_flops
+from configurator import auto_device, config_of, package_path, parse_overrides, peak_flops
 from load_llama import load_sharedllm
 
 # -----------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def build(g, dev, dt, **over):
     shared = dict(n_lower=g["n_lower"], chunk_size=g["chunk_size"], height=g["height"], beta=g["beta"], policy=g["policy"])
     shared.update(over)
     if g["init_from"]:
-        m, _, _ = load_sharedllm(g["init_from"], dev, dt, **{k: v for k, v in shared.items() if k != "n_lower"})
+        m, _, _ = load_sharedllm(package_path(g["init_from"]), dev, dt, **{k: v for k, v in shared.items() if k != "n_lower"})
         return m
     torch.manual_seed(g["seed"])
     cfg = M.preset(g["preset"])

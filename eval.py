@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import data
-from configurator import auto_device, config_of, parse_overrides
+from configurator import auto_device, config_of, package_path, parse_overrides
 from load_llama import load_sharedllm
 
 # -----------------------------------------------------------------------------
@@ -34,6 +34,9 @@ chunks = ""                 # chunk counts, e.g. "4,16,64,256"; "" = 1x, 4x, 16x
 block_size = 0              # T: X_D tokens; 0 = as trained
 score_last = 0              # K: scored tokens at the end of X_D; 0 = T // 2
 max_windows = 64            # ppl windows, spread evenly over the validation documents
+full = False                # also score the base model with full attention over X_C + X_D (the ceiling of a
+                            # pretrained model; passkey: only within its window)
+full_budget_s = 300.0       # ppl: skip full attention at lengths predicted to take longer than this (it is quadratic)
 data_dir = ""               # a folder of .txt (validation split); "" = the checkpoint's own data_dir (the stdlib's .py)
 depths = "0,0.25,0.5,0.75,1"    # passkey depths: 0 = key at the start of the context, 1 = at its end
 depth_band = -1.0           # each key's depth is uniform within d +- band/2; -1 = the grid's spacing; 0 = exactly d
@@ -71,17 +74,22 @@ def ppl_windows(split, n_max, C, T, K, max_windows):
 
 
 @torch.no_grad()
-def score_ppl(model, split, windows, n, C, T, K, with_context, batch_size, dev):
-    # -> (perplexity, scored tokens): mean over windows of the mean NLL of the last K tokens of X_D
+def score_ppl(model, split, windows, n, C, T, K, context, batch_size, dev):
+    # -> (perplexity, scored tokens): mean over windows of the mean NLL of the last K tokens of X_D.
+    # context: "compressed" (SharedLLM), "none" (the upper model on X_D alone) or "full" (the base LLaMA with plain
+    # causal attention over X_C + X_D as one sequence: the ceiling while that fits the base model's window)
     tokens = split[0]
     losses, scored = [], 0
     for i in range(0, len(windows), batch_size):
         rows = [torch.from_numpy(tokens[p + K - T - n * C: p + K + 1].astype(np.int64)) for _, p in windows[i:i + batch_size]]
         w = torch.stack(rows).to(dev)                                  # (B, n*C + T + 1)
-        ctx = w[:, : n * C].view(len(rows), n, C) if with_context and n > 0 else None
-        idx, tgt = w[:, n * C:-1], w[:, n * C + 1:]                     # (B, T) each
-        logits, _ = model(ctx, idx)
-        nll = torch.nn.functional.cross_entropy(logits[:, -K:].transpose(1, 2), tgt[:, -K:], reduction="none")
+        tgt = w[:, -K:]                                                # (B, K): the scored tokens
+        if context == "full":
+            logits, _ = model.upper(w[:, :-1], last=K)
+        else:
+            ctx = w[:, : n * C].view(len(rows), n, C) if context == "compressed" and n > 0 else None
+            logits, _ = model(ctx, w[:, n * C:-1])                     # X_D: (B, T)
+        nll = torch.nn.functional.cross_entropy(logits[:, -K:].transpose(1, 2), tgt, reduction="none")
         losses += nll.mean(1).tolist()                                 # (B,) one mean per window
         scored += nll.numel()
     return math.exp(sum(losses) / len(losses)), scored
@@ -89,35 +97,54 @@ def score_ppl(model, split, windows, n, C, T, K, with_context, batch_size, dev):
 
 def run_ppl(model, splits, ns, C, T, K, g, dev):
     windows = ppl_windows(splits["val"], max(ns), C, T, K, g["max_windows"])
+    window = model.upper.cfg.max_seq_len
     print(f"ppl protocol: {len(windows)} windows from the validation documents (placed for {max(ns)} chunks, so "
-          f"every row scores the same tokens); X_D = T = {T} tokens, the last K = {K} scored per window")
-    print(f"{'chunks':>7} {'context tok':>11} {'windows':>7} {'scored tok':>10} {'ppl with':>9} {'ppl without':>11} {'ratio':>6}")
-    res = []
-    base = None
+          f"every row scores the same tokens); X_D = T = {T} tokens, the last K = {K} scored per window; 'full' = "
+          f"the base model with plain attention over X_C + X_D (its window: {window:,} tokens)")
+    print(f"{'chunks':>7} {'context tok':>11} {'windows':>7} {'scored tok':>10} {'ppl with':>9} {'ppl without':>11} "
+          f"{'ratio':>6} {'ppl full':>9} {'gap closed':>10}")
+    res, base, last_full = [], None, None
     for n in ns:
         t0 = time.time()
-        with_c, scored = score_ppl(model, splits["val"], windows, n, C, T, K, True, g["batch_size"], dev)
+        with_c, scored = score_ppl(model, splits["val"], windows, n, C, T, K, "compressed", g["batch_size"], dev)
         if base is None:   # without the context the upper model sees the same X_D: one number for every row
-            base, _ = score_ppl(model, splits["val"], windows, n, C, T, K, False, g["batch_size"], dev)
-        print(f"{n:7d} {n * C:11,d} {len(windows):7d} {scored:10,d} {with_c:9.4f} {base:11.4f} {with_c / base:6.3f}"
-              f"   ({time.time() - t0:.1f} s)")
+            base, _ = score_ppl(model, splits["val"], windows, n, C, T, K, "none", g["batch_size"], dev)
+        full, note = None, ""
+        if g["full"]:   # attention is quadratic: predict this row's time from the last one before running it
+            guess = last_full[1] * ((n * C + T) / (last_full[0] * C + T)) ** 2 if last_full else 0
+            if guess > g["full_budget_s"]:
+                note = f"full attention skipped: ~{guess:.0f} s > --full_budget_s={g['full_budget_s']:g}"
+            else:
+                t1 = time.time()
+                full, _ = score_ppl(model, splits["val"], windows, n, C, T, K, "full", g["batch_size"], dev)
+                last_full = (n, time.time() - t1)
+                note = "beyond the base window" if n * C + T > window else ""
+        closed = (math.log(base) - math.log(with_c)) / (math.log(base) - math.log(full)) if full and full < base else None
+        print(f"{n:7d} {n * C:11,d} {len(windows):7d} {scored:10,d} {with_c:9.4f} {base:11.4f} {with_c / base:6.3f} "
+              f"{f'{full:9.4f}' if full else '-':>9} {f'{100 * closed:9.0f}%' if closed is not None else '-':>10}"
+              f"   ({time.time() - t0:.1f} s) {note}", flush=True)
         res.append(dict(n_chunks=n, context_tokens=n * C, with_context=with_c, without_context=base,
-                        ratio=with_c / base, windows=len(windows), scored_tokens=scored, x_d_tokens=T, scored_per_window=K))
+                        ratio=with_c / base, full_attention=full, gap_closed=closed, note=note or None,
+                        windows=len(windows), scored_tokens=scored, x_d_tokens=T, scored_per_window=K))
     return res
 
 
 @torch.no_grad()
-def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, dev):
+def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, dev, full=False):
     # exact match over `samples` haystacks, each key at a depth drawn uniformly from [depth - band/2, depth + band/2]
     # (within 0..1): a single fixed position would test one alignment of the key with the stride windows only.
-    # A fixed seed per cell, so every setting sees the same keys and positions.
+    # A fixed seed per cell, so every setting sees the same keys and positions. full: the base model reads the
+    # haystack and the question as one sequence instead.
     rng = random.Random(f"{seed}-{n}-{depth}")
     lo, hi = max(0.0, depth - band / 2), min(1.0, depth + band / 2)
     hits = 0
     for i in range(0, samples, batch_size):
         b = [data.passkey_sample(tok, rng, n, C, depth=rng.uniform(lo, hi)) for _ in range(min(batch_size, samples - i))]
         ctx, idx, tgt, ql = (torch.stack(t).to(dev) if j < 3 else torch.tensor(t, device=dev) for j, t in enumerate(zip(*b)))
-        logits, _ = model(ctx, idx, query_len=ql)
+        if full:
+            logits, _ = model.upper(torch.cat([ctx.flatten(1), idx], 1), last=idx.shape[1])
+        else:
+            logits, _ = model(ctx, idx, query_len=ql)
         scored = tgt != -100
         hits += ((logits.argmax(-1) == tgt) | ~scored).all(-1).sum().item()
     return hits / samples
@@ -143,16 +170,25 @@ def heatmap(grid, ns, ds, C):
 
 def run_passkey(model, tok, ns, C, g, dev, quiet=False):
     ds = [float(x) for x in g["depths"].split(",")]
-    grid, res = {}, []
+    window, question = model.upper.cfg.max_seq_len, len(data.passkey_ids(tok)["question"]) + 8
+    grid, full, res = {}, {}, []
     for n in ns:
         for d in ds:
             grid[n, d] = passkey_accuracy(model, tok, n, C, d, band(g, ds), g["samples"], g["batch_size"], g["seed"], dev)
-            res.append(dict(n_chunks=n, context_tokens=n * C, depth=d, depth_band=band(g, ds), accuracy=grid[n, d],
-                            samples=g["samples"]))
+            r = dict(n_chunks=n, context_tokens=n * C, depth=d, depth_band=band(g, ds), accuracy=grid[n, d],
+                     samples=g["samples"])
+            if g["full"] and n * C + question <= window:
+                r["full_attention"] = full[n, d] = passkey_accuracy(model, tok, n, C, d, band(g, ds), g["samples"],
+                                                                    g["batch_size"], g["seed"], dev, full=True)
+            res.append(r)
     if not quiet:
         print(f"passkey: {g['samples']} haystacks per cell, exact match of all 5 digits (= greedy decoding); "
               f"key at depth d +- {band(g, ds) / 2:g} (uniform) of n chunks x C = {C} tokens")
         print(heatmap(grid, ns, ds, C))
+        if full:
+            inside = [n for n in ns if (n, ds[0]) in full]
+            print(f"full attention by the base model over the same haystacks (within its window of {window:,} tokens):")
+            print(heatmap(full, inside, ds, C))
         try:
             import matplotlib
             matplotlib.use("Agg")
@@ -195,7 +231,7 @@ def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
         print(f"  passkey: exact match, mean over depths {ds} (+-{band(g, ds) / 2:g}), {g['samples']} haystacks each")
     if lm:
         windows = ppl_windows(splits["val"], max(ns), C, T, K, g["max_windows"])
-        base, _ = score_ppl(model, splits["val"], windows, ns[0], C, T, K, False, g["batch_size"], dev)
+        base, _ = score_ppl(model, splits["val"], windows, ns[0], C, T, K, "none", g["batch_size"], dev)
         print(f"  ppl with the context, last-K protocol: {len(windows)} windows, K = {K} of T = {T} "
               f"(the same tokens without the context: {base:.4f})")
     print(f"{'setting':<30}" + "".join(f"{'passkey@' + str(n):>12}" for n in ns if pk)
@@ -215,7 +251,7 @@ def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
                 r["passkey"] = sum(passkey_accuracy(m, tok, n, C, d, band(g, ds), g["samples"], g["batch_size"],
                                                     g["seed"], dev) for d in ds) / len(ds)
             if lm:
-                r["with_context"], _ = score_ppl(m, splits["val"], windows, n, C, T, K, True, g["batch_size"], dev)
+                r["with_context"], _ = score_ppl(m, splits["val"], windows, n, C, T, K, "compressed", g["batch_size"], dev)
                 r["without_context"] = base
             row["results"].append(r)
         m.scfg = trained
@@ -236,7 +272,7 @@ def main(g):
         shared["chunk_ids"] = g["chunk_ids"] == "on"
     torch.manual_seed(g["seed"])
     try:
-        model, tok, train_cfg = load_sharedllm(g["init_from"], dev, getattr(torch, dt), **shared)
+        model, tok, train_cfg = load_sharedllm(package_path(g["init_from"]), dev, getattr(torch, dt), **shared)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"eval.py: --init_from={g['init_from']}: {e}") from None
     C = model.scfg.chunk_size
@@ -257,7 +293,7 @@ def main(g):
     t0 = time.time()
     try:
         needs_text = g["task"] == "ppl" or (g["task"] == "ablations" and train_cfg.get("task") != "passkey")
-        splits = data.prepare(tok, g["data_dir"] or train_cfg.get("data_dir", "")) if needs_text else None
+        splits = data.prepare(tok, package_path(g["data_dir"] or train_cfg.get("data_dir", ""))) if needs_text else None
         if g["task"] == "ppl":
             res = run_ppl(model, splits, ns, C, T, K, g, dev)
         elif g["task"] == "passkey":

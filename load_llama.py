@@ -265,13 +265,10 @@ def save_hf(model, tok, out_dir):
 # -----------------------------------------------------------------------------
 # tokenizers from checkpoint files
 
-GGUF_PRE = {"gpt2": T.GPT2_PATTERN, "smollm": T.DIGITS_PATTERN}   # tokenizer.ggml.pre -> pre-tokenizer regex
-
-
 def load_tokenizer(path):
     # the tokenizer of a checkpoint: an HF folder (tokenizer.json or tokenizer.model), a .gguf file, or the file itself
     if path.endswith(".gguf"):
-        return tokenizer_from_gguf(read_gguf(path)[1], path)
+        return T.from_gguf_metadata(read_gguf(path)[1], path)
     if os.path.isdir(path):
         ids = {}
         if os.path.isfile(os.path.join(path, "config.json")):
@@ -285,24 +282,6 @@ def load_tokenizer(path):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no tokenizer there (tokenizer.json or tokenizer.model)")
     return T.Tokenizer(path)
-
-
-def tokenizer_from_gguf(meta, path):
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported yet")
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre"):
-        if key not in meta:
-            raise ValueError(f"{path}: missing metadata key {key!r}")
-    pre = meta["tokenizer.ggml.pre"]
-    if pre not in GGUF_PRE:
-        raise ValueError(f"{path}: tokenizer.ggml.pre is {pre!r}; supported: {sorted(GGUF_PRE)}")
-    tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", [])
-    special = {i for i, t in enumerate(types) if t in (3, 4)}   # llama.cpp: 3 control, 4 user-defined
-    vocab = {s: i for i, s in enumerate(tokens) if i not in special}
-    return T.BPETokenizer(vocab, [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]], GGUF_PRE[pre],
-                          {tokens[i]: i for i in sorted(special)}, meta.get("tokenizer.ggml.bos_token_id"),
-                          meta.get("tokenizer.ggml.eos_token_id"), bool(meta.get("tokenizer.ggml.add_bos_token")), path)
 
 
 def tokenizer_from_spec(spec):

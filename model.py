@@ -258,9 +258,10 @@ class Llama(nn.Module):
     def rope(self, pos):
         return rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
 
-    def forward(self, idx, targets=None, start_pos=0, caches=None, memory=None):
+    def forward(self, idx, targets=None, start_pos=0, caches=None, memory=None, last=0):
         # idx: (B, T) token ids at positions start_pos..start_pos+T-1 (X_D starts at position 0).
         # memory: a compressed context from SharedLLM.compress, or None for the plain LLaMA.
+        # last: logits for the last `last` positions only (0 = all): scoring a 16K-token window needs a few hundred
         B, T = idx.shape
         cos, sin = self.rope(torch.arange(start_pos, start_pos + T, device=idx.device))
         q_rope = None
@@ -276,7 +277,7 @@ class Llama(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
             else:
                 x = layer(*args)
-        logits = self.output(self.norm(x)).float()
+        logits = self.output(self.norm(x[:, -last:] if last else x)).float()
         loss = None
         if targets is not None:   # targets: (B, T), -100 marks positions that are not scored
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)

@@ -19,7 +19,7 @@ import torch
 
 import data
 import tree
-from configurator import auto_device, config_of, parse_overrides
+from configurator import auto_device, config_of, package_path, parse_overrides
 from load_llama import load_sharedllm
 
 # -----------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def main(cfg):
     torch.manual_seed(g["seed"])
     shared = {k: g[k] for k in ("n_lower", "chunk_size", "height", "beta", "policy") if g[k]}
     try:
-        model, tok, train_cfg = load_sharedllm(g["init_from"], dev, getattr(torch, dt), **shared)
+        model, tok, train_cfg = load_sharedllm(package_path(g["init_from"]), dev, getattr(torch, dt), **shared)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"sample.py: --init_from={g['init_from']}: {e}") from None
     s = model.scfg
@@ -102,9 +102,10 @@ def main(cfg):
     else:
         text = g["context"]
         if text.startswith("FILE:"):
-            if not os.path.isfile(text[5:]):
+            path = package_path(text[5:])
+            if not os.path.isfile(path):
                 raise SystemExit(f"sample.py: --context={text}: no such file")
-            text = open(text[5:], encoding="utf-8", errors="replace").read()
+            text = open(path, encoding="utf-8", errors="replace").read()
         if not text.strip():
             raise SystemExit("sample.py: --context is empty; give a string or FILE:path")
         ids = tok.encode(text)

@@ -92,11 +92,9 @@ class BPETokenizer:
         import tiktoken
         byte_of = {c: b for b, c in bytes_to_unicode().items()}
         ranks, id_of_rank = {}, []
-        for b, c in bytes_to_unicode().items():
-            if c not in vocab:
-                raise ValueError(f"{source}: the vocabulary has no token for byte {b} ({c!r}); not a byte-level BPE")
-            ranks[bytes([b])] = b
-            id_of_rank.append(vocab[c])
+        for b, c in bytes_to_unicode().items():   # a byte the vocabulary lacks (SmolLM2: 21 control and non-UTF-8
+            ranks[bytes([b])] = b                   # bytes) is dropped from the ids, as HF's BPE without unk does
+            id_of_rank.append(vocab.get(c, -1))
         for i, (a, b) in enumerate(merges):
             if a + b not in vocab:
                 raise ValueError(f"{source}: merge #{i} ({a!r}, {b!r}) makes {a + b!r}, which is not in the vocabulary")
@@ -114,7 +112,8 @@ class BPETokenizer:
 
     def encode(self, text, bos=None, eos=False):
         bos = self.add_bos if bos is None else bos
-        ids = self.id_of_rank[self.enc.encode_ordinary(text)].tolist() if text else []
+        ids = self.id_of_rank[self.enc.encode_ordinary(text)] if text else self.id_of_rank[:0]
+        ids = ids[ids >= 0].tolist()
         return [self.bos_id] * bos + ids + [self.eos_id] * eos
 
     def decode(self, ids):
@@ -122,6 +121,9 @@ class BPETokenizer:
 
 
 # HF tokenizer.json pre-tokenizers this reads, as tiktoken patterns (and back, for writing one)
+GGUF_PRE = {"gpt2": GPT2_PATTERN, "smollm": DIGITS_PATTERN}   # GGUF tokenizer.ggml.pre -> the same regexes
+
+
 def pattern_of(pre, source):
     kind = (pre or {}).get("type")
     if kind == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
@@ -184,3 +186,22 @@ def to_tokenizer_json(tok):
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
                       "vocab": tok.vocab, "merges": [list(m) for m in tok.merges]}}
+
+
+def from_gguf_metadata(meta, path):
+    # the tokenizer a GGUF file describes in its tokenizer.ggml.* metadata (llama.cpp's names)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported yet")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre"):
+        if key not in meta:
+            raise ValueError(f"{path}: missing metadata key {key!r}")
+    pre = meta["tokenizer.ggml.pre"]
+    if pre not in GGUF_PRE:
+        raise ValueError(f"{path}: tokenizer.ggml.pre is {pre!r}; supported: {sorted(GGUF_PRE)}")
+    tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", [])
+    special = {i for i, t in enumerate(types) if t in (3, 4)}   # llama.cpp: 3 control, 4 user-defined
+    vocab = {s: i for i, s in enumerate(tokens) if i not in special}
+    return BPETokenizer(vocab, [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]], GGUF_PRE[pre],
+                          {tokens[i]: i for i in sorted(special)}, meta.get("tokenizer.ggml.bos_token_id"),
+                          meta.get("tokenizer.ggml.eos_token_id"), bool(meta.get("tokenizer.ggml.add_bos_token")), path)

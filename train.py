@@ -314,14 +314,16 @@ def set_trainable(m, which):
 
 
 def step_flops(m, n, T):
-    # FLOPs of one sample's forward+backward, the usual 6 x params x tokens plus attention (an estimate):
-    # lower: M layers over n*C context tokens (forward only when frozen); upper: all layers over T tokens
+    # FLOPs of one sample's forward+backward (an estimate): 2 x params x tokens forward, 2 more for the input
+    # gradient, 2 more for the weight gradient where weights train; plus attention. Lower: M layers over n*C context
+    # tokens (forward only when frozen); upper: all layers over T tokens (backward runs through frozen layers too).
     c = m.upper.cfg
     per_layer = 2 * c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.dim * c.hidden_dim
     lower_mult = 6 if any(p.requires_grad for p in m.lower_parameters()) else 2
     lower = lower_mult * per_layer * m.scfg.n_lower * n * m.scfg.chunk_size
     S = n * m.scfg.chunk_size // m.scfg.beta
-    upper = 6 * (per_layer * c.n_layers + c.dim * c.vocab_size) * T + 6 * c.n_layers * c.dim * T * T \
+    upper_mult = 6 if any(p.requires_grad for n_, p in m.upper.named_parameters() if ".cross_" not in n_) else 4
+    upper = upper_mult * (per_layer * c.n_layers + c.dim * c.vocab_size) * T + 6 * c.n_layers * c.dim * T * T \
         + 6 * m.scfg.n_lower * (2 * c.dim * c.dim + 2 * c.dim * S) * T
     return lower + upper
 

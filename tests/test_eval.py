@@ -54,16 +54,34 @@ def test_ppl_windows_count_and_stay_inside_documents():
 
 class Uniform(torch.nn.Module):
     # a model that gives every token the same logit: its perplexity is exactly the vocabulary size
-    def forward(self, ctx, idx, targets=None, query_len=None):
-        return torch.zeros(*idx.shape, 258), None
+    def forward(self, ctx, idx, targets=None, query_len=None, last=0):
+        return torch.zeros(*idx[:, -last:].shape, 258), None
+
+    @property
+    def upper(self):   # full attention calls model.upper(window, last=K)
+        return lambda idx, last: self(None, idx, last=last)
 
 
 def test_uniform_model_perplexity_is_vocab_size_and_exactly_k_tokens_are_scored():
     split = (np.random.default_rng(0).integers(0, 258, 3000), np.array([0, 3000]))
     wins = E.ppl_windows(split, 2, 32, 40, 10, max_windows=13)
-    for with_ctx in (True, False):
-        ppl, scored = E.score_ppl(Uniform(), split, wins, 2, 32, 40, 10, with_ctx, 4, "cpu")
-        assert abs(ppl - 258) < 1e-6 * 258   # fp32 log-softmax and scored == 13 * 10
+    for context in ("compressed", "none", "full"):
+        ppl, scored = E.score_ppl(Uniform(), split, wins, 2, 32, 40, 10, context, 4, "cpu")
+        assert abs(ppl - 258) < 1e-6 * 258 and scored == 13 * 10   # fp32 log-softmax
+
+
+def test_full_attention_row_scores_the_same_tokens_with_the_whole_window(micro_ckpt):
+    model, _, _ = load_sharedllm(str(micro_ckpt))
+    split = (np.random.default_rng(1).integers(0, 258, 3000), np.array([0, 3000]))
+    n, C, T, K = 2, 32, 48, 10
+    wins = E.ppl_windows(split, n, C, T, K, max_windows=3)
+    ppl, _ = E.score_ppl(model, split, wins, n, C, T, K, "full", 2, "cpu")
+    nll = []
+    for _, p in wins:   # by hand: the plain model over X_C + X_D, the last K targets
+        w = torch.from_numpy(split[0][p + K - T - n * C: p + K + 1].astype(np.int64))[None]
+        logits, _ = model.upper(w[:, :-1])
+        nll.append(torch.nn.functional.cross_entropy(logits[0, -K:], w[0, -K:]).item())
+    assert abs(np.log(ppl) - np.mean(nll)) < 1e-6
 
 
 def test_ppl_scores_the_last_k_tokens_of_each_window(monkeypatch):
@@ -77,10 +95,10 @@ def test_ppl_scores_the_last_k_tokens_of_each_window(monkeypatch):
     class Sure(torch.nn.Module):
         def forward(self, ctx, idx, targets=None, query_len=None):
             return torch.nn.functional.one_hot(torch.zeros_like(idx), 258).float() * 100, None
-    ppl, _ = E.score_ppl(Sure(), split, wins, 1, 32, 40, 10, True, 2, "cpu")
+    ppl, _ = E.score_ppl(Sure(), split, wins, 1, 32, 40, 10, "compressed", 2, "cpu")
     assert abs(ppl - 1.0) < 1e-6
     tokens[wins[0][1] + 3] = 7         # one scored target wrong: the loss is 100 there, 1/10 of one window of 5
-    ppl, _ = E.score_ppl(Sure(), split, wins, 1, 32, 40, 10, True, 2, "cpu")
+    ppl, _ = E.score_ppl(Sure(), split, wins, 1, 32, 40, 10, "compressed", 2, "cpu")
     assert abs(np.log(ppl) - 100 / 10 / 5) < 1e-4
 
 

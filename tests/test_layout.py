@@ -99,3 +99,19 @@ def test_a_damaged_checkpoint_is_named(tmp_path):
     torch.save({"model": {}}, tmp_path / "ckpt.pt")
     with pytest.raises(ValueError, match="not a train.py checkpoint"):
         load_sharedllm(str(tmp_path))
+
+
+def test_package_paths_and_corpus_globs(tmp_path):
+    import json
+
+    import data
+    from configurator import package_path
+    assert package_path("pkg:json/decoder.py") == json.decoder.__file__ and package_path("a/b.txt") == "a/b.txt"
+    with pytest.raises(SystemExit, match="pkg:no_such_pkg/x.gguf: no installed Python package 'no_such_pkg'"):
+        package_path("pkg:no_such_pkg/x.gguf")
+    for name in ("a_gut.txt", "a_gut_f.txt", "b_gut.txt"):
+        (tmp_path / name).write_text("x")
+    assert [os.path.basename(f) for f in data.corpus_files(str(tmp_path / "*_gut.txt"))] == ["a_gut.txt", "b_gut.txt"]
+    assert len(data.corpus_files(str(tmp_path))) == 3
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        data.corpus_files(str(tmp_path / "*.md"))

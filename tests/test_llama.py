@@ -29,6 +29,40 @@ def test_parity_with_transformers(tmp_path, gqa, sharded, dtype):
     assert torch.equal(ref.argmax(-1), logits.argmax(-1))
 
 
+def test_tied_embeddings_one_tensor_parity_and_checkpoint(tmp_path):
+    # SmolLM2 / Llama-3.2 style: no lm_head tensor; the head is the embedding, one tensor also after training steps
+    hf = make_hf_checkpoint(tmp_path, tie=True)
+    from safetensors import safe_open
+    with safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    ours = load_llama(str(tmp_path))
+    assert ours.cfg.tie_embeddings and ours.output.weight is ours.tok_embeddings.weight
+    idx = torch.randint(0, 320, (2, 29))
+    with torch.no_grad():
+        err = rel_err(hf(idx).logits, ours(idx)[0])
+    assert err <= 1e-5, err
+    s = M.SharedLLM.from_llama(ours, n_lower=1, chunk_size=16, height=2, beta=4).train()
+    opt = torch.optim.AdamW(s.parameters(), lr=1e-2)
+    for _ in range(2):
+        _, loss = s(torch.randint(0, 320, (2, 2, 16)), idx, idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert s.upper.output.weight is s.upper.tok_embeddings.weight       # still one tensor after AdamW steps
+    torch.save(s.state_dict(), tmp_path / "sd.pt")
+    s2 = M.SharedLLM.from_llama(M.Llama(ours.cfg), n_lower=1, chunk_size=16, height=2, beta=4)
+    s2.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
+    assert s2.upper.output.weight is s2.upper.tok_embeddings.weight
+    assert torch.equal(s2.upper.output.weight, s.upper.tok_embeddings.weight)
+
+
+def test_logits_for_the_last_positions_only(tmp_path):
+    m = M.Llama(M.preset("micro")).eval()
+    idx = torch.randint(0, 258, (2, 40))
+    with torch.no_grad():
+        assert torch.equal(m(idx, last=7)[0], m(idx)[0][:, -7:])
+
+
 def test_bf16_checkpoint_loads_as_fp32(tmp_path):
     hf = make_hf_checkpoint(tmp_path, dtype=torch.bfloat16)
     ours = load_llama(str(tmp_path), dtype=torch.float32)
