@@ -46,7 +46,7 @@ batch_size = 8
 height = 0                  # tree height h
 beta = 0                    # compression C / KVs kept per chunk
 policy = ""                 # "right" (retrieval off) | "query"
-chunk_ids = ""              # "on" | "off"
+chunk_ids = ""              # "plain" | "off" ("random" trains like plain is read: at inference they are the same)
 keep = ""                   # "last" | "first" token of each stride window
 compare = ""                # ablations: more rows from other checkpoints, "label=out_dir;label=out_dir" (noise off, M)
 n_lower = 0                 # M (LLaMA-2 folder only)
@@ -208,7 +208,7 @@ def run_passkey(model, tok, ns, C, g, dev, quiet=False):
 # Table 5 of the paper, as inference-time changes to one trained model (rows that need training say so)
 ABLATIONS = [("SharedLLM (as trained)", {}), ("height 2", {"height": 2}), ("height 4", {"height": 4}),
              ("beta 1", {"beta": 1}), ("beta 4", {"beta": 4}), ("beta 16", {"beta": 16}),
-             ("retrieval off (policy right)", {"policy": "right"}), ("chunk ids off", {"chunk_ids": False}),
+             ("retrieval off (policy right)", {"policy": "right"}), ("chunk ids off", {"chunk_ids": "off"}),
              ("first of window", {"keep": "first"})]
 
 
@@ -265,11 +265,11 @@ def main(g):
     dev, dt = auto_device(g["device"], g["dtype"])
     if g["task"] not in ("ppl", "passkey", "ablations"):
         raise SystemExit(f"eval.py: --task={g['task']}: expected ppl, passkey or ablations")
-    if g["chunk_ids"] not in ("", "on", "off"):
-        raise SystemExit(f"eval.py: --chunk_ids={g['chunk_ids']}: expected on or off")
+    if g["chunk_ids"] not in ("", "plain", "random", "off"):
+        raise SystemExit(f"eval.py: --chunk_ids={g['chunk_ids']}: expected plain, random or off")
     shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "n_lower", "chunk_size") if g[k]}
     if g["chunk_ids"]:
-        shared["chunk_ids"] = g["chunk_ids"] == "on"
+        shared["chunk_ids"] = g["chunk_ids"]
     torch.manual_seed(g["seed"])
     try:
         model, tok, train_cfg = load_sharedllm(package_path(g["init_from"]), dev, getattr(torch, dt), **shared)

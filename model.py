@@ -265,8 +265,8 @@ class Llama(nn.Module):
         B, T = idx.shape
         cos, sin = self.rope(torch.arange(start_pos, start_pos + T, device=idx.device))
         q_rope = None
-        if memory is not None and memory.chunk_ids:   # every X_D query sits at chunk position n
-            q_rope = self.rope(torch.full((T,), memory.n_chunks, device=idx.device))
+        if memory is not None and memory.q_pos is not None:   # every X_D query sits at one chunk position (n)
+            q_rope = [t[:, None] for t in self.rope(memory.q_pos[:, None].expand(B, T))]   # (B, 1, T, hd) each
         x = self.tok_embeddings(idx)
         for i, layer in enumerate(self.layers):
             xkv = None
@@ -357,12 +357,20 @@ class SharedConfig:
     policy: str = "right"     # which child to expand: "right" (language modeling) or "query" (cosine with the query)
     keep: str = "last"        # which token of each stride window keeps its KV: "last", or "first" (released code)
     noise: float = 5.0        # training-time split noise, sigma = l / noise (paper: 5 LM, 10 SFT); 0 = exact halves
-    chunk_ids: bool = True    # chunk-level position ids in cross-attention (Eq. 2); False for the ablation
+    chunk_ids: str = "plain"  # chunk-level position ids in cross-attention (Eq. 2): "plain" (keys of chunk i at i,
+                              # queries at n), "random" (plain at inference; in training each sample's chunks sit at
+                              # sorted random ids below a random query id, up to max_chunk_id: every distance a long
+                              # context brings is seen in training), or "off" (the ablation)
+    max_chunk_id: int = 1024  # "random": the largest id drawn in training, so the longest context that stays in
+                              # distribution is max_chunk_id chunks
     inject: str = "bottom"    # which upper layers cross-attend: "bottom" M, "top" M, or "interleaved" every N/M
     lower: str = "shared"     # "shared": the upper's own bottom M layers; "copy": a frozen copy of them
 
     def __post_init__(self):
+        if isinstance(self.chunk_ids, bool):   # older checkpoints and code said True / False
+            self.chunk_ids = "plain" if self.chunk_ids else "off"
         for name, allowed in [("policy", ("right", "query")), ("keep", ("last", "first")),
+                              ("chunk_ids", ("plain", "random", "off")),
                               ("inject", ("bottom", "top", "interleaved")), ("lower", ("shared", "copy"))]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SharedConfig.{name} = {getattr(self, name)!r}; expected one of {allowed}")
@@ -373,8 +381,7 @@ class SharedConfig:
 class Memory:
     # a compressed context: what the upper model's cross-attention reads
     kv: list                  # per lower layer j: (K, V), each (B, Hkv, n*S, hd); S = KVs kept per chunk
-    n_chunks: int
-    chunk_ids: bool
+    q_pos: torch.Tensor       # (B,) the chunk-level position of every X_D query (n for plain ids), or None: no ids
     nodes: list = field(default_factory=list)   # per (batch item, chunk): the preserved tree.Nodes
 
 
@@ -483,13 +490,31 @@ class SharedLLM(nn.Module):
         order = torch.tensor([where[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds for t in range(nd.kept)],
                              device=rows.device)
         S = sum(nd.kept for nd in nodes[0])                                   # KVs per chunk, the same for all
+        k_pos, q_pos = self.chunk_positions(B, n, rows.device) if s.chunk_ids != "off" else (None, None)
         kv = []
         for K, V in flat:
             K, V = (t[order].view(B, n * S, *t.shape[1:]).transpose(1, 2) for t in (K, V))   # (B, Hkv, n*S, hd)
-            if s.chunk_ids:   # keys of chunk i at position i, on top of their node-local rotation (Eq. 2)
-                K = apply_rope(K, *self.upper.rope(torch.arange(n, device=K.device).repeat_interleave(S)))
+            if k_pos is not None:   # keys of chunk i at its chunk position, on top of their node-local rotation (Eq. 2)
+                K = apply_rope(K, *[t[:, None] for t in self.upper.rope(k_pos.repeat_interleave(S, dim=1))])
             kv.append((K, V))
-        return Memory(kv, n, s.chunk_ids, nodes)
+        return Memory(kv, q_pos, nodes)
+
+    def chunk_positions(self, B, n, device):
+        # -> keys' chunk ids (B, n) and the queries' id (B,). Plain (and "random" at inference): 0..n-1 and n.
+        # "random" in training: n + 1 distinct ids drawn from 0..span and sorted, the largest for the queries, with the
+        # span itself drawn from n..max_chunk_id, so that both near and far distances are seen (Ruoss et al., 2023:
+        # randomized positional encodings). Order stays visible; only the distances are random.
+        s = self.scfg
+        if s.chunk_ids == "random" and self.training:
+            if n + 1 > s.max_chunk_id + 1:
+                raise ValueError(f"{n} chunks need chunk ids up to {n}; max_chunk_id is {s.max_chunk_id}")
+            span = torch.randint(n, s.max_chunk_id + 1, (B, 1), device=device)                # (B, 1)
+            draw = torch.rand(B, s.max_chunk_id + 1, device=device)
+            draw[torch.arange(s.max_chunk_id + 1, device=device)[None] > span] = 2.0          # never drawn: > span
+            ids = draw.argsort(dim=1)[:, : n + 1].sort(dim=1).values                          # (B, n + 1)
+            return ids[:, :n], ids[:, n]
+        ids = torch.arange(n + 1, device=device)
+        return ids[:n].expand(B, n), ids[n].expand(B)
 
     def forward(self, context, idx, targets=None, query_len=None):
         # context: (B, n, C) or None; idx, targets: (B, T) -> logits (B, T, vocab), loss

@@ -46,7 +46,8 @@ n_chunks = 4                # n: context chunks per training sample (X_C = n x C
 chunk_schedule = "1:1000,2:2000"   # curriculum: 1 chunk until iter 1000, 2 until 2000, then n_chunks ("" = off)
 beta_schedule = "2:1000"    # curriculum on compression: beta 2 until iter 1000, then beta ("" = off)
 block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)
-eval_chunks = "4,16"        # chunk counts evaluated
+eval_chunks = "4,16"        # chunk counts evaluated every eval_interval
+final_eval_chunks = "4,16,64,256"   # ... and at the end (long contexts are slow to evaluate); "" = eval_chunks
 # model: preset for scratch, SharedLLM settings always
 preset = "tiny"             # model.PRESETS key, for init_from=scratch
 n_lower = 2                 # M: lower-model layers = cross-attention layers
@@ -56,7 +57,8 @@ beta = 8                    # compression: C / KVs kept per chunk
 policy = "query"            # "right" | "query" (query: the passkey question steers each tree toward the key)
 keep = "last"               # "last" | "first" token of each stride window
 noise = 0.0                 # training split noise: sigma = l / noise; 0 = off (paper: 5 for LM, 10 for SFT)
-chunk_ids = True            # chunk-level position ids
+chunk_ids = "plain"         # chunk-level position ids: "plain" (paper) | "random" (extrapolates) | "off"
+max_chunk_id = 1024         # "random": ids drawn up to this in training = the longest context in distribution (chunks)
 inject = "bottom"           # "bottom" | "top" | "interleaved"
 train = "all"               # what trains: "all" | "cross" (cross-attention only: released code, LM) |
                             # "cross+top" (plus the top N-M layers: the paper's LM text) | "upper" (the whole upper model: SFT)
@@ -118,7 +120,7 @@ def main():
     # -------------------------------------------------------------------------
     # model and tokenizer
     scfg = dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy, keep=keep,
-                noise=noise, chunk_ids=chunk_ids, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
+                noise=noise, chunk_ids=chunk_ids, max_chunk_id=max_chunk_id, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
     ckpt = None
     if init_from == "scratch":
         tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: load_tokenizer(tokenizer))()
@@ -147,7 +149,10 @@ def main():
     if tok.vocab_size > llama.cfg.vocab_size:
         raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {llama.cfg.vocab_size}")
     llama.checkpointing = activation_checkpointing
-    raw = M.SharedLLM(llama, M.SharedConfig(**scfg))
+    try:
+        raw = M.SharedLLM(llama, M.SharedConfig(**scfg))
+    except ValueError as e:   # an impossible SharedLLM setting (policy, chunk_ids, M, C / height / beta, ...)
+        raise SystemExit(f"train.py: {e}") from None
     if ckpt is not None:
         raw.load_state_dict(ckpt["model"])
     set_trainable(raw, train)
@@ -208,13 +213,13 @@ def main():
     chunk_pairs, beta_pairs = parse_schedule("chunk_schedule", chunk_schedule), parse_schedule("beta_schedule", beta_schedule)
 
     @torch.no_grad()
-    def evaluate():
+    def evaluate(chunk_counts):
         # fixed validation samples (their own seed), so evals are comparable and never touch the training RNGs.
         # In "mixed", language modeling is measured once it has started (before lm_from it would measure noise).
         raw.eval()
         trained_beta, raw.scfg.beta = raw.scfg.beta, beta   # always evaluate at the target compression
         out = {}
-        for n in [int(x) for x in eval_chunks.split(",")]:
+        for n in [int(x) for x in chunk_counts.split(",")]:
             erng = random.Random(1000 + n)
             if task in ("passkey", "mixed"):
                 hits = [0, 0]
@@ -255,7 +260,7 @@ def main():
     while True:
         last = iter_num >= max_iters or 0 < stop_iter <= iter_num
         if (iter_num % eval_interval == 0 or last) and master and (iter_num > 0 or eval_only):
-            res = evaluate()
+            res = evaluate(final_eval_chunks if last and final_eval_chunks else eval_chunks)
             print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
             if not eval_only:
                 save()

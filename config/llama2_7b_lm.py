@@ -28,4 +28,5 @@ max_iters = 2000             # 2000 x 16 x 8K = 262M tokens (the paper: one epoc
 eval_interval = 250
 eval_iters = 4
 eval_chunks = "4"
+final_eval_chunks = ""
 activation_checkpointing = True

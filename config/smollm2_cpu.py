@@ -28,4 +28,5 @@ max_iters = 300
 eval_interval = 300          # one evaluation, at the end
 eval_iters = 8               # windows per chunk count
 eval_chunks = "4,16,64"      # 1K, 4K, 16K context tokens: 16K is twice SmolLM2's 8K window
+final_eval_chunks = ""
 log_interval = 25

@@ -189,7 +189,7 @@ def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path, monkeypatch):
     for args, msg in [(["--task=ppx"], "--task=ppx: expected ppl, passkey or ablations"),
                       (["--chunks=1000", f"--data_dir={micro_ckpt / 'docs'}"], "no validation document has"),
                       (["--chunks=0"], "--chunks=0: expected positive integers"),
-                      (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected on or off"),
+                      (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected plain, random or off"),
                       (["--task=ablations", "--compare=nolabel"], "expected label=out_dir")]:
         assert msg in error_of(E, ck + args, tmp_path, monkeypatch)
     bad = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)

@@ -77,12 +77,36 @@ def test_lower_kv_equals_base_llama_kv_at_kept_positions():
 def test_chunk_ids_make_order_visible():
     ctx, idx = data(n=4)
     perm = ctx[:, [2, 0, 3, 1]]
-    for chunk_ids, should_change in [(True, True), (False, False)]:
+    for chunk_ids, should_change in [("plain", True), ("random", True), ("off", False)]:
         s, _ = build(wo_scale=0.5, chunk_ids=chunk_ids)
         with torch.no_grad():
             a, b = s(ctx, idx)[0], s(perm, idx)[0]
         err = rel_err(a, b)
         assert (err > 1e-3) if should_change else (err < 1e-5), (chunk_ids, err)
+
+
+def test_random_chunk_ids_are_plain_at_inference_and_keep_order_in_training():
+    ctx, idx = data(B=3, n=4)
+    plain, _ = build(wo_scale=0.5, chunk_ids="plain")
+    rand, _ = build(wo_scale=0.5, chunk_ids="random", max_chunk_id=40, noise=0.0)   # no split noise in training
+    with torch.no_grad():
+        assert torch.equal(plain(ctx, idx)[0], rand(ctx, idx)[0])          # eval: ids 0..n-1, queries at n
+    rand.train()
+    k, q = rand.chunk_positions(4000, 4, "cpu")
+    assert (k[:, 1:] > k[:, :-1]).all() and (q > k[:, -1]).all()          # order kept: chunk i before i+1, queries last
+    assert k.min() == 0 and q.max() == 40 and (q - k[:, -1]).min() == 1    # every id 0..40 in use, near and far
+    dist = q[:, None] - k                                                  # query-key distances seen in training
+    assert (dist[:, -1] <= 4).float().mean() > 0.5 and (dist[:, 0] >= 30).float().mean() > 0.05
+    assert (q == 4).any()                                                  # the shortest span: exactly the plain ids
+    # the rotation really follows the drawn ids: keys of the same chunk content at another id differ
+    torch.manual_seed(0)
+    m1 = rand.compress(ctx, idx)
+    torch.manual_seed(1)
+    m2 = rand.compress(ctx, idx)
+    assert not torch.equal(m1.q_pos, m2.q_pos) and not torch.equal(m1.kv[0][0], m2.kv[0][0])
+    assert torch.equal(m1.kv[0][1], m2.kv[0][1])                           # values carry no position
+    with pytest.raises(ValueError, match="5 chunks need chunk ids up to 5; max_chunk_id is 4"):
+        build(chunk_ids="random", max_chunk_id=4)[0].train().compress(data(n=5)[0], idx)
 
 
 @pytest.mark.parametrize("policy", ["right", "query"])

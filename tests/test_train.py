@@ -16,7 +16,8 @@ from conftest import ROOT, SHARED_TOKENIZERS, make_hf_checkpoint
 from tokenizer import ByteTokenizer
 
 MICRO = ["--preset=micro", "--n_lower=1", "--chunk_size=32", "--n_chunks=2", "--chunk_schedule=", "--block_size=48",
-         "--batch_size=2", "--eval_iters=1", "--eval_chunks=2", "--log_interval=1", "--device=cpu"]
+         "--batch_size=2", "--eval_iters=1", "--eval_chunks=2", "--final_eval_chunks=", "--log_interval=1",
+         "--device=cpu"]
 
 
 def run(args, cwd, ok=True, cmd=None):
@@ -35,7 +36,7 @@ def test_config_errors(tmp_path, capsys):
     wrong.write_text("max_iters = 1e3\n")
     for args, msg in [(["--lerning_rate=1"], "unknown setting 'lerning_rate'"),
                       (["--max_iters=ten"], "--max_iters=ten: expected a int"),
-                      (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected a bool"),
+                      (["--max_iters=1.5"], "--max_iters=1.5: expected a int"),
                       (["max_iters"], "bad argument 'max_iters'"),
                       ([str(bad)], f"config file {bad}: unknown setting 'lerning_rate'"),
                       ([str(wrong)], f"config file {wrong}: expected a int"),
@@ -50,7 +51,8 @@ def test_config_errors(tmp_path, capsys):
     for args, msg in [(["--train=lower", "--max_iters=1"], "--train=lower: expected one of"),
                       (["--beta_schedule=2"], "--beta_schedule=2: expected value:until_iter pairs"),
                       (["--train=cross", "--task=lm"], "use --context_dropout=0"),
-                      (["--context_dropout=1.5"], "--context_dropout=1.5: expected a value in [0, 1]")]:
+                      (["--context_dropout=1.5"], "--context_dropout=1.5: expected a value in [0, 1]"),
+                      (["--chunk_ids=maybe"], "SharedConfig.chunk_ids = 'maybe'; expected one of ('plain', 'random', 'off')")]:
         cfg = parse_overrides(MICRO + args + [f"--out_dir={tmp_path / 'out'}"], dict(train.config), train.__file__)
         with pytest.MonkeyPatch.context() as mp:
             for k, v in cfg.items():
@@ -143,7 +145,7 @@ def test_llama2_path_on_tiny_random_checkpoint(tmp_path):
     out = run(["--init_from=" + str(ck), "--train=cross", "--task=lm", f"--data_dir={docs}", "--n_lower=1", "--chunk_size=32",
                "--n_chunks=2", "--chunk_schedule=", "--block_size=48", "--batch_size=2", "--max_iters=3", "--eval_interval=3",
                "--context_dropout=0",
-               "--eval_iters=1", "--eval_chunks=2", "--device=cpu", f"--out_dir={tmp_path / 'out'}"], tmp_path)
+               "--eval_iters=1", "--eval_chunks=2", "--final_eval_chunks=", "--device=cpu", f"--out_dir={tmp_path / 'out'}"], tmp_path)
     assert "memory estimate: weights" in out and "eval iter 3: lm_loss@2" in out
     assert "trainable 8,256 / frozen" in out    # cross-attention only: (norm 64 + wq 64x64 + wo 64x64) x 1 layer
 
