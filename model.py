@@ -18,6 +18,7 @@ References: the paper (Sec. 3, Eq. 1-3, Algorithm 1); Meta's LLaMA-2 and Hugging
 """
 import copy
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -359,8 +360,8 @@ class SharedConfig:
     noise: float = 5.0        # training-time split noise, sigma = l / noise (paper: 5 LM, 10 SFT); 0 = exact halves
     chunk_ids: str = "plain"  # chunk-level position ids in cross-attention (Eq. 2): "plain" (keys of chunk i at i,
                               # queries at n), "random" (plain at inference; in training each sample's chunks sit at
-                              # sorted random ids below a random query id, up to max_chunk_id: every distance a long
-                              # context brings is seen in training), or "off" (the ablation)
+                              # sorted random ids up to max_chunk_id, the queries right after the last one: every
+                              # distance a long context brings is seen in training), or "off" (the ablation)
     max_chunk_id: int = 1024  # "random": the largest id drawn in training, so the longest context that stays in
                               # distribution is max_chunk_id chunks
     inject: str = "bottom"    # which upper layers cross-attend: "bottom" M, "top" M, or "interleaved" every N/M
@@ -477,7 +478,7 @@ class SharedLLM(nn.Module):
             sel = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
             tokens, _ = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
             keep = torch.tensor([tree.keep_index(len(nd), nd.kept, s.keep) for _, nd in sel], device=rows.device)
-            with torch.no_grad() if frozen else torch.enable_grad():
+            with torch.no_grad() if frozen else nullcontext():   # the caller's mode otherwise (eval: no_grad)
                 kvs = low.node_kv(tokens, s.n_lower, keep)                  # n_lower x (R, Hkv, k, hd): the kept KVs
             R, k = keep.shape
             for j, (K, V) in enumerate(kvs):
@@ -501,18 +502,18 @@ class SharedLLM(nn.Module):
 
     def chunk_positions(self, B, n, device):
         # -> keys' chunk ids (B, n) and the queries' id (B,). Plain (and "random" at inference): 0..n-1 and n.
-        # "random" in training: n + 1 distinct ids drawn from 0..span and sorted, the largest for the queries, with the
-        # span itself drawn from n..max_chunk_id, so that both near and far distances are seen (Ruoss et al., 2023:
-        # randomized positional encodings). Order stays visible; only the distances are random.
+        # "random" in training: n distinct ids drawn from 0..span-1 and sorted, the queries one past the last of them
+        # (X_D directly follows the last chunk, as in the text), with the span drawn from n..max_chunk_id, so near and
+        # far distances are both seen (Ruoss et al., 2023: randomized positional encodings). Order stays visible.
         s = self.scfg
         if s.chunk_ids == "random" and self.training:
-            if n + 1 > s.max_chunk_id + 1:
+            if n > s.max_chunk_id:
                 raise ValueError(f"{n} chunks need chunk ids up to {n}; max_chunk_id is {s.max_chunk_id}")
             span = torch.randint(n, s.max_chunk_id + 1, (B, 1), device=device)                # (B, 1)
-            draw = torch.rand(B, s.max_chunk_id + 1, device=device)
-            draw[torch.arange(s.max_chunk_id + 1, device=device)[None] > span] = 2.0          # never drawn: > span
-            ids = draw.argsort(dim=1)[:, : n + 1].sort(dim=1).values                          # (B, n + 1)
-            return ids[:, :n], ids[:, n]
+            draw = torch.rand(B, s.max_chunk_id, device=device)
+            draw[torch.arange(s.max_chunk_id, device=device)[None] >= span] = 2.0             # never drawn: >= span
+            ids = draw.argsort(dim=1)[:, :n].sort(dim=1).values                               # (B, n)
+            return ids, ids[:, -1] + 1
         ids = torch.arange(n + 1, device=device)
         return ids[:n].expand(B, n), ids[n].expand(B)
 

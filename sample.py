@@ -34,7 +34,8 @@ max_new_tokens = 0          # 0 = the key's length for the haystack, else 64
 temperature = 0.0           # 0 = greedy
 top_k = 0                   # 0 = off
 top_p = 1.0                 # 1.0 = off
-show_tree = False           # print, per chunk, the path the query took and what each preserved node kept
+show_tree = False           # print, per chunk, the path the query took and what each preserved node kept (past 8
+                            # chunks: the first two, the key's and the last two)
 # SharedLLM settings at inference (0 / "" = as trained; for a LLaMA-2 folder, model.SharedConfig's defaults)
 n_lower = 0                 # M (LLaMA-2 folder only: a checkpoint's M is fixed by its cross-attention layers)
 chunk_size = 0              # C
@@ -141,7 +142,12 @@ def main(cfg):
     if g["show_tree"]:
         kid = tok.encode(answer, bos=False) if answer else []
         at_key = [p for p in range(len(ids) - len(kid) + 1) if kid and ids[p:p + len(kid)] == kid]
+        shown = set(range(n)) if n <= 8 else {0, 1, n - 2, n - 1} | {p // C for p in at_key[:1]}   # long: a few
         for c, nodes in enumerate(memory.nodes):
+            if c not in shown:
+                if c - 1 in shown:
+                    print(f"... chunks {c} to {min(x for x in shown if x > c) - 1} not shown")
+                continue
             at = "".join(f"   <- the key's first mention: tokens [{p - c * C}, {p - c * C + len(kid)}) of this chunk"
                          for p in at_key[:1] if c * C <= p < (c + 1) * C)
             print(f"chunk {c} [{c * C}, {(c + 1) * C}): path {tree_path(nodes, C)}{at}")

@@ -239,3 +239,13 @@ def test_eval_reads_the_checkpoints_own_data(micro_ckpt, tmp_path, monkeypatch):
     cfg = config_of(vars(E))
     cfg.update(init_from=str(tmp_path / "own"), task="ppl", chunks="1", max_windows=2, device="cpu")
     assert len(E.main(cfg)) == 1 and seen == [str(micro_ckpt / "docs")]
+
+
+def test_show_tree_of_a_long_context_shows_a_few_chunks(micro_ckpt, capsys):
+    cfg = config_of(vars(S))
+    cfg.update(init_from=str(micro_ckpt), n_chunks=12, show_tree=True, device="cpu")
+    S.main(cfg)
+    out = capsys.readouterr().out
+    chunks = [line for line in out.splitlines() if line.startswith("chunk ")]
+    key = [int(line.split()[1]) for line in chunks if "the key's first mention" in line]
+    assert len(key) == 1 and {int(line.split()[1]) for line in chunks} == {0, 1, 10, 11, key[0]} and "not shown" in out

@@ -93,10 +93,10 @@ def test_random_chunk_ids_are_plain_at_inference_and_keep_order_in_training():
         assert torch.equal(plain(ctx, idx)[0], rand(ctx, idx)[0])          # eval: ids 0..n-1, queries at n
     rand.train()
     k, q = rand.chunk_positions(4000, 4, "cpu")
-    assert (k[:, 1:] > k[:, :-1]).all() and (q > k[:, -1]).all()          # order kept: chunk i before i+1, queries last
-    assert k.min() == 0 and q.max() == 40 and (q - k[:, -1]).min() == 1    # every id 0..40 in use, near and far
+    assert (k[:, 1:] > k[:, :-1]).all() and torch.equal(q, k[:, -1] + 1)   # order kept; X_D right after the last chunk
+    assert k.min() == 0 and q.max() == 40                                  # every id 0..40 in use
     dist = q[:, None] - k                                                  # query-key distances seen in training
-    assert (dist[:, -1] <= 4).float().mean() > 0.5 and (dist[:, 0] >= 30).float().mean() > 0.05
+    assert (dist[:, 0] >= 30).float().mean() > 0.05 and (dist[:, 0] <= 8).float().mean() > 0.05   # far and near
     assert (q == 4).any()                                                  # the shortest span: exactly the plain ids
     # the rotation really follows the drawn ids: keys of the same chunk content at another id differ
     torch.manual_seed(0)
@@ -232,3 +232,15 @@ def test_bad_configs():
     s, _ = build()
     with pytest.raises(ValueError, match="context chunks have 32 tokens; this model's chunk_size C is 64"):
         s(torch.zeros(1, 2, 32, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_compress_under_no_grad_keeps_no_graph():
+    # trainable weights, but the caller says no_grad (evaluation): the compressed KVs must carry no autograd graph,
+    # or a long context holds every layer's activations (a 16K-token eval once needed 23 GB this way)
+    s, _ = build()
+    assert all(p.requires_grad for p in s.parameters())
+    ctx, idx = data()
+    with torch.no_grad():
+        mem = s.compress(ctx, idx)
+    assert all(not t.requires_grad and t.grad_fn is None for kv in mem.kv for t in kv)
+    assert s.compress(ctx, idx).kv[0][0].requires_grad                    # and training still gets its graph
