@@ -47,7 +47,7 @@ chunk_schedule = "1:1000,2:2000"   # curriculum: 1 chunk until iter 1000, 2 unti
 beta_schedule = "2:1000"    # curriculum on compression: beta 2 until iter 1000, then beta ("" = off)
 block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)
 eval_chunks = "4,16"        # chunk counts evaluated every eval_interval
-final_eval_chunks = "4,16,64,256"   # ... and at the end (long contexts are slow to evaluate); "" = eval_chunks
+final_eval_chunks = ""      # ... and at the end, e.g. "4,16,64,256" (long contexts are slow to evaluate); "" = eval_chunks
 # model: preset for scratch, SharedLLM settings always
 preset = "tiny"             # model.PRESETS key, for init_from=scratch
 n_lower = 2                 # M: lower-model layers = cross-attention layers

@@ -23,4 +23,4 @@ learning_rate = 3e-3
 min_lr = 3e-4
 max_iters = 4000
 eval_chunks = "4,16"
-final_eval_chunks = "4,16,64,256"   # the long lengths (64x the trained one) only at the end
+final_eval_chunks = ""
