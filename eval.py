@@ -46,7 +46,8 @@ batch_size = 8
 height = 0                  # tree height h
 beta = 0                    # compression C / KVs kept per chunk
 policy = ""                 # "right" (retrieval off) | "query"
-chunk_ids = ""              # "plain" | "off" ("random" trains like plain is read: at inference they are the same)
+chunk_ids = ""              # "plain" | "clamp" | "off" ("random" is read like plain: at inference they are the same)
+max_chunk_dist = 0          # "clamp": the largest chunk distance; 0 = the checkpoint's own (else its n_chunks)
 keep = ""                   # "last" | "first" token of each stride window
 compare = ""                # ablations: more rows from other checkpoints, "label=out_dir;label=out_dir" (noise off, M)
 n_lower = 0                 # M (LLaMA-2 folder only)
@@ -265,14 +266,16 @@ def main(g):
     dev, dt = auto_device(g["device"], g["dtype"])
     if g["task"] not in ("ppl", "passkey", "ablations"):
         raise SystemExit(f"eval.py: --task={g['task']}: expected ppl, passkey or ablations")
-    if g["chunk_ids"] not in ("", "plain", "random", "off"):
-        raise SystemExit(f"eval.py: --chunk_ids={g['chunk_ids']}: expected plain, random or off")
-    shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "n_lower", "chunk_size") if g[k]}
-    if g["chunk_ids"]:
-        shared["chunk_ids"] = g["chunk_ids"]
+    if g["chunk_ids"] not in ("", "plain", "clamp", "random", "off"):
+        raise SystemExit(f"eval.py: --chunk_ids={g['chunk_ids']}: expected plain, clamp, random or off")
+    shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "n_lower", "chunk_size", "chunk_ids",
+                                "max_chunk_dist") if g[k]}
     torch.manual_seed(g["seed"])
     try:
         model, tok, train_cfg = load_sharedllm(package_path(g["init_from"]), dev, getattr(torch, dt), **shared)
+        if g["chunk_ids"] == "clamp" and not g["max_chunk_dist"] and train_cfg.get("chunk_ids") != "clamp":
+            # a checkpoint trained without clamping: clamp at the longest distance it saw
+            model.scfg.max_chunk_dist = train_cfg.get("n_chunks", model.scfg.max_chunk_dist)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"eval.py: --init_from={g['init_from']}: {e}") from None
     C = model.scfg.chunk_size

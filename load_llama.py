@@ -220,6 +220,11 @@ def config_from_gguf(meta, path):
                        tie_embeddings=False)
 
 
+def llama_config(path):
+    # the LlamaConfig of an HF folder or .gguf file, without reading its weights (bench.py --shape)
+    return config_from_gguf(read_gguf(path)[1], path) if path.endswith(".gguf") else config_from_hf(path)
+
+
 def load_gguf(path, device="cpu", dtype=torch.float32):
     import gguf
     r, meta = read_gguf(path)

@@ -62,6 +62,8 @@ PRESETS = {
     "micro": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=64, max_seq_len=512),
     "tiny": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=176, max_seq_len=1024),
     "small": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=50304, hidden_dim=704, max_seq_len=1024),
+    "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, hidden_dim=1536,
+                         rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),   # the real model's shape
     "llama2-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000, hidden_dim=11008),
     "llama2-13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, hidden_dim=13824),
     "llama2-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000, hidden_dim=28672),
@@ -309,9 +311,22 @@ class Llama(nn.Module):
     def retrieval_vec(self, idx, last):
         # The vector the `query` policy compares: first layer (attention + MLP) then the final norm, at
         # position last[r] of each row of idx (R, L). Rows may be right-padded: the model is causal.
-        cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
-        x = self.norm(self.layers[0](self.tok_embeddings(idx), cos, sin))
-        return x[torch.arange(idx.shape[0], device=idx.device), last]   # (R, dim)
+        # Only that one position's output is needed, so every position gets its key/value projection and only
+        # position last[r] its query, attention and MLP: this costs a few % of a full first-layer pass.
+        R, L = idx.shape
+        layer, att, row = self.layers[0], self.layers[0].attention, torch.arange(R, device=idx.device)
+        cos, sin = self.rope(torch.arange(L, device=idx.device))
+        x = self.tok_embeddings(idx)                                            # (R, L, dim)
+        h = layer.attention_norm(x)
+        k, v = att.kv(h, cos, sin)                                              # (R, Hkv, L, hd)
+        q = att.wq(h[row, last]).view(R, att.n_kv_heads, -1, att.head_dim)     # (R, Hkv, Hq/Hkv, hd): GQA groups
+        q = apply_rope(q, cos[last][:, None, None], sin[last][:, None, None])
+        # one query per row: a plain masked softmax over that row's keys up to `last`, in fp32
+        s = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(att.head_dim)  # (R, Hkv, Hq/Hkv, L)
+        s = s.masked_fill((torch.arange(L, device=idx.device) > last[:, None])[:, None, None], float("-inf"))
+        y = (s.softmax(dim=-1) @ v.float()).to(x.dtype).reshape(R, -1)          # (R, Hq*hd), heads in order
+        x = x[row, last] + att.wo(y)                                            # (R, dim)
+        return self.norm(x + layer.feed_forward(layer.ffn_norm(x)))
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None, memory=None, eos_id=None):
@@ -359,9 +374,11 @@ class SharedConfig:
     keep: str = "last"        # which token of each stride window keeps its KV: "last", or "first" (released code)
     noise: float = 5.0        # training-time split noise, sigma = l / noise (paper: 5 LM, 10 SFT); 0 = exact halves
     chunk_ids: str = "plain"  # chunk-level position ids in cross-attention (Eq. 2): "plain" (keys of chunk i at i,
-                              # queries at n), "random" (plain at inference; in training each sample's chunks sit at
-                              # sorted random ids up to max_chunk_id, the queries right after the last one: every
-                              # distance a long context brings is seen in training), or "off" (the ablation)
+                              # queries at n); "clamp" (plain for the max_chunk_dist most recent chunks, every older
+                              # chunk at that largest distance: no query-key distance beyond what training saw);
+                              # "random" (plain at inference; in training each sample's chunks sit at sorted random
+                              # ids up to max_chunk_id, the queries right after the last one); or "off" (the ablation)
+    max_chunk_dist: int = 4   # "clamp": the largest chunk distance a query sees (train.py: its n_chunks)
     max_chunk_id: int = 1024  # "random": the largest id drawn in training, so the longest context that stays in
                               # distribution is max_chunk_id chunks
     inject: str = "bottom"    # which upper layers cross-attend: "bottom" M, "top" M, or "interleaved" every N/M
@@ -371,10 +388,12 @@ class SharedConfig:
         if isinstance(self.chunk_ids, bool):   # older checkpoints and code said True / False
             self.chunk_ids = "plain" if self.chunk_ids else "off"
         for name, allowed in [("policy", ("right", "query")), ("keep", ("last", "first")),
-                              ("chunk_ids", ("plain", "random", "off")),
+                              ("chunk_ids", ("plain", "clamp", "random", "off")),
                               ("inject", ("bottom", "top", "interleaved")), ("lower", ("shared", "copy"))]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SharedConfig.{name} = {getattr(self, name)!r}; expected one of {allowed}")
+        if self.max_chunk_dist < 1:
+            raise ValueError(f"SharedConfig.max_chunk_dist = {self.max_chunk_dist}; expected at least 1")
         tree.node_budget(self.chunk_size, self.height, self.beta)   # fails early on impossible shapes
 
 
@@ -502,19 +521,26 @@ class SharedLLM(nn.Module):
 
     def chunk_positions(self, B, n, device):
         # -> keys' chunk ids (B, n) and the queries' id (B,). Plain (and "random" at inference): 0..n-1 and n.
+        # "clamp": ids below n - max_chunk_dist are raised to it, so every chunk older than the max_chunk_dist most
+        # recent ones sits at the largest distance training saw (ReRoPE, Su 2023, clamps token distances this way).
+        # With n <= max_chunk_dist (training) it IS plain; at n = 256 the 4 nearest chunks keep their order.
         # "random" in training: n distinct ids drawn from 0..span-1 and sorted, the queries one past the last of them
-        # (X_D directly follows the last chunk, as in the text), with the span drawn from n..max_chunk_id, so near and
-        # far distances are both seen (Ruoss et al., 2023: randomized positional encodings). Order stays visible.
+        # (X_D directly follows the last chunk, as in the text), with the span drawn log-uniformly from n..max_chunk_id:
+        # dense ids (as at inference) and every scale of distance up to max_chunk_id are all seen, each octave as often
+        # (Ruoss et al., 2023: randomized positional encodings). Order stays visible.
         s = self.scfg
         if s.chunk_ids == "random" and self.training:
             if n > s.max_chunk_id:
                 raise ValueError(f"{n} chunks need chunk ids up to {n}; max_chunk_id is {s.max_chunk_id}")
-            span = torch.randint(n, s.max_chunk_id + 1, (B, 1), device=device)                # (B, 1)
+            u = torch.rand(B, 1, device=device)
+            span = (n * ((s.max_chunk_id + 1) / n) ** u).long().clamp(n, s.max_chunk_id)     # (B, 1)
             draw = torch.rand(B, s.max_chunk_id, device=device)
             draw[torch.arange(s.max_chunk_id, device=device)[None] >= span] = 2.0             # never drawn: >= span
             ids = draw.argsort(dim=1)[:, :n].sort(dim=1).values                               # (B, n)
             return ids, ids[:, -1] + 1
         ids = torch.arange(n + 1, device=device)
+        if s.chunk_ids == "clamp":
+            ids[:n] = ids[:n].clamp(min=n - s.max_chunk_dist)
         return ids[:n].expand(B, n), ids[n].expand(B)
 
     def forward(self, context, idx, targets=None, query_len=None):

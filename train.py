@@ -47,7 +47,7 @@ chunk_schedule = "1:1000,2:2000"   # curriculum: 1 chunk until iter 1000, 2 unti
 beta_schedule = "2:1000"    # curriculum on compression: beta 2 until iter 1000, then beta ("" = off)
 block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)
 eval_chunks = "4,16"        # chunk counts evaluated every eval_interval
-final_eval_chunks = ""      # ... and at the end, e.g. "4,16,64,256" (long contexts are slow to evaluate); "" = eval_chunks
+final_eval_chunks = "4,16,64,256"   # ... and at the end (32K-token contexts: 64x the training length); "" = eval_chunks
 # model: preset for scratch, SharedLLM settings always
 preset = "tiny"             # model.PRESETS key, for init_from=scratch
 n_lower = 2                 # M: lower-model layers = cross-attention layers
@@ -57,7 +57,9 @@ beta = 8                    # compression: C / KVs kept per chunk
 policy = "query"            # "right" | "query" (query: the passkey question steers each tree toward the key)
 keep = "last"               # "last" | "first" token of each stride window
 noise = 0.0                 # training split noise: sigma = l / noise; 0 = off (paper: 5 for LM, 10 for SFT)
-chunk_ids = "plain"         # chunk-level position ids: "plain" (paper) | "random" (extrapolates) | "off"
+chunk_ids = "clamp"         # chunk-level position ids: "plain" (paper) | "clamp" (plain up to max_chunk_dist, farther
+                            # chunks at that distance: extrapolates) | "random" (random ids in training) | "off"
+max_chunk_dist = 0          # "clamp": the largest query-key chunk distance; 0 = n_chunks (the farthest training sees)
 max_chunk_id = 1024         # "random": ids drawn up to this in training = the longest context in distribution (chunks)
 inject = "bottom"           # "bottom" | "top" | "interleaved"
 train = "all"               # what trains: "all" | "cross" (cross-attention only: released code, LM) |
@@ -120,7 +122,7 @@ def main():
     # -------------------------------------------------------------------------
     # model and tokenizer
     scfg = dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy, keep=keep,
-                noise=noise, chunk_ids=chunk_ids, max_chunk_id=max_chunk_id, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
+                noise=noise, chunk_ids=chunk_ids, max_chunk_dist=max_chunk_dist or n_chunks, max_chunk_id=max_chunk_id, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
     ckpt = None
     if init_from == "scratch":
         tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: load_tokenizer(tokenizer))()

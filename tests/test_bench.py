@@ -42,3 +42,19 @@ def test_compressed_kv_size_and_flops_match_the_model():
     full = 2 * 64 * 64 * 2 + 2 * 64 * 32 * 2 + 2 * 3 * 64 * c.hidden_dim
     want = 3 * sum(full * L + 2 * L * L * 64 + 2 * 64 * 32 * 2 * 8 for L in nodes)   # 8 KVs kept per node
     assert bench.compress_flops(m, 3) == want
+
+
+def test_bench_shape_reads_only_a_config(tmp_path):
+    # --shape: a real model's shape with random weights; a folder with only config.json (no weights) is enough
+    cfg = dict(model_type="llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+               intermediate_size=96, vocab_size=300, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    (tmp_path / "shape").mkdir()
+    json.dump(cfg, open(tmp_path / "shape" / "config.json", "w"))
+    bench_py = [sys.executable, os.path.join(ROOT, "bench.py")]
+    out = run(["--quick=True", "--chunk_size=256", f"--shape={tmp_path / 'shape'}"], tmp_path, cmd=bench_py)
+    assert "3 layers, dim 48, heads 6/2" in out and "query-aware retrieval adds" in out
+    assert "smollm2-135m" in M.PRESETS and M.preset("smollm2-135m").n_kv_heads == 3
+    err = run(["--shape=nowhere"], tmp_path, ok=False, cmd=bench_py)
+    assert "--shape=nowhere: neither a model preset" in err
+    err = run([f"--shape={tmp_path / 'shape'}", "--init_from=out"], tmp_path, ok=False, cmd=bench_py)
+    assert "give one" in err

@@ -189,7 +189,7 @@ def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path, monkeypatch):
     for args, msg in [(["--task=ppx"], "--task=ppx: expected ppl, passkey or ablations"),
                       (["--chunks=1000", f"--data_dir={micro_ckpt / 'docs'}"], "no validation document has"),
                       (["--chunks=0"], "--chunks=0: expected positive integers"),
-                      (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected plain, random or off"),
+                      (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected plain, clamp, random or off"),
                       (["--task=ablations", "--compare=nolabel"], "expected label=out_dir")]:
         assert msg in error_of(E, ck + args, tmp_path, monkeypatch)
     bad = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
@@ -249,3 +249,23 @@ def test_show_tree_of_a_long_context_shows_a_few_chunks(micro_ckpt, capsys):
     chunks = [line for line in out.splitlines() if line.startswith("chunk ")]
     key = [int(line.split()[1]) for line in chunks if "the key's first mention" in line]
     assert len(key) == 1 and {int(line.split()[1]) for line in chunks} == {0, 1, 10, 11, key[0]} and "not shown" in out
+
+
+def test_clamp_at_inference_uses_the_trained_distance(micro_ckpt, tmp_path, monkeypatch, capsys):
+    # a checkpoint trained with plain ids, read with --chunk_ids=clamp: clamped at the n_chunks it was trained on
+    ck = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
+    ck["model_args"]["shared"]["chunk_ids"] = ck["config"]["chunk_ids"] = "plain"
+    ck["config"]["n_chunks"] = 3
+    del ck["model_args"]["shared"]["max_chunk_dist"]     # as written before the field existed: the default, 4
+    os.makedirs(tmp_path / "plain")
+    torch.save(ck, tmp_path / "plain" / "ckpt.pt")
+    monkeypatch.chdir(tmp_path)
+    base = ["--task=passkey", "--chunks=3", "--samples=2", "--depths=0", "--device=cpu"]
+    for args, want in [([], "chunk_ids='plain', max_chunk_dist=4"), (["--chunk_ids=clamp"], "chunk_ids='clamp', max_chunk_dist=3"),
+                       (["--chunk_ids=clamp", "--max_chunk_dist=7"], "chunk_ids='clamp', max_chunk_dist=7")]:
+        cfg = config_of(vars(E))
+        parse_overrides([f"--init_from={tmp_path / 'plain'}"] + base + args, cfg, E.__file__)
+        E.main(cfg)
+        assert want in capsys.readouterr().out, args
+    assert "max_chunk_dist = -1; expected at least 1" in error_of(
+        E, [f"--init_from={micro_ckpt}", "--chunk_ids=clamp", "--max_chunk_dist=-1"], tmp_path, monkeypatch)

@@ -52,7 +52,7 @@ def test_config_errors(tmp_path, capsys):
                       (["--beta_schedule=2"], "--beta_schedule=2: expected value:until_iter pairs"),
                       (["--train=cross", "--task=lm"], "use --context_dropout=0"),
                       (["--context_dropout=1.5"], "--context_dropout=1.5: expected a value in [0, 1]"),
-                      (["--chunk_ids=maybe"], "SharedConfig.chunk_ids = 'maybe'; expected one of ('plain', 'random', 'off')")]:
+                      (["--chunk_ids=maybe"], "SharedConfig.chunk_ids = 'maybe'; expected one of ('plain', 'clamp', 'random', 'off')")]:
         cfg = parse_overrides(MICRO + args + [f"--out_dir={tmp_path / 'out'}"], dict(train.config), train.__file__)
         with pytest.MonkeyPatch.context() as mp:
             for k, v in cfg.items():
