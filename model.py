@@ -31,6 +31,7 @@ try:
     from flash_attn import flash_attn_func
 except ImportError:
     flash_attn_func = None
+ENCODE_TOKENS = 4096  # the lower model encodes preserved nodes in calls of about this many tokens (SharedLLM.compress)
 ATTN_BACKEND = None   # force "flash" | "sdpa" | "manual" (tests, teaching); None picks the fastest that applies
 
 # -----------------------------------------------------------------------------
@@ -182,11 +183,12 @@ class SelfAttention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, start_pos=0, cache=None):
+    def forward(self, x, cos, sin, start_pos=0, cache=None, kv=None):
+        # kv: these positions' K, V when already computed (the query policy's search computed them)
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # (B, Hq, T, hd)
         q = apply_rope(q, cos, sin)
-        k, v = self.kv(x, cos, sin)
+        k, v = self.kv(x, cos, sin) if kv is None else kv
         if cache is not None:
             k, v = cache.update(start_pos, k, v)
         y = attention(q, k, v, causal=True)
@@ -233,9 +235,9 @@ class Block(nn.Module):
         self.cross_norm = self.cross_attention = None   # attached by SharedLLM to the injection layers
         self.cross_src = None                           # which lower layer's K/V this layer reads
 
-    def forward(self, x, cos, sin, start_pos=0, cache=None, xkv=None):
+    def forward(self, x, cos, sin, start_pos=0, cache=None, xkv=None, kv=None):
         # residual order: self-attention, then cross-attention (injection layers only), then the MLP
-        x = x + self.attention(self.attention_norm(x), cos, sin, start_pos, cache)
+        x = x + self.attention(self.attention_norm(x), cos, sin, start_pos, cache, kv)
         if xkv is not None:
             x = x + self.cross_attention(self.cross_norm(x), *xkv)
         return x + self.feed_forward(self.ffn_norm(x))
@@ -290,42 +292,50 @@ class Llama(nn.Module):
         p = self.output.weight
         return [KVCache(batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim, p.device, p.dtype) for _ in self.layers]
 
-    def node_kv(self, idx, n_layers, keep):
+    def node_kv(self, idx, n_layers, keep, kv0=None):
         # The lower model's job: run the bottom n_layers on idx (R, L) at positions 0..L-1 (causal, no
         # cross-attention) and return each layer's self-attention K (after RoPE) and V at the kept positions
         # keep (R, k): n_layers x (R, Hkv, k, hd). The last layer's output is never used, so it projects only
-        # the kept tokens' K and V.
+        # the kept tokens' K and V. kv0: the first layer's K, V over idx (R, Hkv, L, hd) if already computed.
         cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
         x, kvs = self.tok_embeddings(idx), []
         at = keep[:, None, :, None]                                           # (R, 1, k, 1)
         for i, layer in enumerate(self.layers[:n_layers]):
+            given = kv0 if i == 0 else None
             if i < n_layers - 1:
                 kv = KeepKV()
-                x = layer(x, cos, sin, 0, kv)
+                x = layer(x, cos, sin, 0, kv, kv=given)
                 kvs.append(tuple(t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3])) for t in (kv.k, kv.v)))
+            elif given is not None:
+                kvs.append(tuple(t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3])) for t in given))
             else:
                 xk = x.gather(1, keep[:, :, None].expand(-1, -1, x.shape[2]))     # (R, k, dim)
                 kvs.append(layer.attention.kv(layer.attention_norm(xk), cos[keep][:, None], sin[keep][:, None]))
         return kvs
 
-    def retrieval_vec(self, idx, last):
+    def layer0_kv(self, idx):
+        # the first layer's K (after RoPE) and V over idx (R, L) at positions 0..L-1: (R, Hkv, L, hd) each
+        cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
+        return self.layers[0].attention.kv(self.layers[0].attention_norm(self.tok_embeddings(idx)), cos, sin)
+
+    def retrieval_vec(self, idx, last, kv=None):
         # The vector the `query` policy compares: first layer (attention + MLP) then the final norm, at
         # position last[r] of each row of idx (R, L). Rows may be right-padded: the model is causal.
-        # Only that one position's output is needed, so every position gets its key/value projection and only
-        # position last[r] its query, attention and MLP: this costs a few % of a full first-layer pass.
-        R, L = idx.shape
+        # Only that one position's output is needed: every position's K and V (kv = layer0_kv(idx), or a longer
+        # span's from the same start: a causal model gives a prefix the same K/V), and position last[r] alone
+        # gets its query, attention and MLP. This costs a few % of a full first-layer pass.
+        R = idx.shape[0]
         layer, att, row = self.layers[0], self.layers[0].attention, torch.arange(R, device=idx.device)
-        cos, sin = self.rope(torch.arange(L, device=idx.device))
-        x = self.tok_embeddings(idx)                                            # (R, L, dim)
-        h = layer.attention_norm(x)
-        k, v = att.kv(h, cos, sin)                                              # (R, Hkv, L, hd)
-        q = att.wq(h[row, last]).view(R, att.n_kv_heads, -1, att.head_dim)     # (R, Hkv, Hq/Hkv, hd): GQA groups
-        q = apply_rope(q, cos[last][:, None, None], sin[last][:, None, None])
+        k, v = self.layer0_kv(idx) if kv is None else kv                      # (R, Hkv, L, hd)
+        x = self.tok_embeddings(idx[row, last])                                 # (R, dim)
+        cos, sin = self.rope(last)                                              # (R, hd)
+        q = att.wq(layer.attention_norm(x)).view(R, att.n_kv_heads, -1, att.head_dim)   # (R, Hkv, Hq/Hkv, hd)
+        q = apply_rope(q, cos[:, None, None], sin[:, None, None])
         # one query per row: a plain masked softmax over that row's keys up to `last`, in fp32
         s = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(att.head_dim)  # (R, Hkv, Hq/Hkv, L)
-        s = s.masked_fill((torch.arange(L, device=idx.device) > last[:, None])[:, None, None], float("-inf"))
+        s = s.masked_fill((torch.arange(k.shape[2], device=idx.device) > last[:, None])[:, None, None], float("-inf"))
         y = (s.softmax(dim=-1) @ v.float()).to(x.dtype).reshape(R, -1)          # (R, Hq*hd), heads in order
-        x = x[row, last] + att.wo(y)                                            # (R, dim)
+        x = x + att.wo(y)                                                       # (R, dim)
         return self.norm(x + layer.feed_forward(layer.ffn_norm(x)))
 
     @torch.no_grad()
@@ -474,45 +484,77 @@ class SharedLLM(nn.Module):
         if C != s.chunk_size:
             raise ValueError(f"context chunks have {C} tokens; this model's chunk_size C is {s.chunk_size}")
         rows = context.reshape(B * n, C)                                # one tree per (batch item, chunk)
-        decide = None
+        frozen = not any(p.requires_grad for p in self.lower_parameters())
+        grad = torch.no_grad() if frozen else nullcontext()            # else the caller's mode (eval: no_grad)
+        decide, store = None, None
+
+        def layer0_kv(spans):
+            # -> the first layer's K, V of each span (row, start, end) as its own sequence, right-padded with zeros
+            # (never read: causal): (R, Hkv, L, hd) each. Only what the store lacks is computed, in one batch.
+            todo = [sp for sp in spans if sp[:2] not in store or store[sp[:2]][0].shape[1] < sp[2] - sp[1]]
+            if todo:
+                tokens, _ = gather_spans(rows, [r for r, _, _ in todo], [(a, b) for _, a, b in todo])
+                K, V = low.layer0_kv(tokens)
+                for i, (r, a, b) in enumerate(todo):
+                    store[r, a] = (K[i, :, :b - a], V[i, :, :b - a])
+                if len(todo) == len(spans):   # all new (the first level): that batch is already the answer
+                    return K, V
+            K, V = store[spans[0][:2]]
+            out = [K.new_zeros(len(spans), K.shape[0], max(b - a for _, a, b in spans), K.shape[2]) for _ in (K, V)]
+            for i, (r, a, b) in enumerate(spans):
+                for t in (0, 1):
+                    out[t][i, :, :b - a] = store[r, a][t][:, :b - a]
+            return out
+
         if s.policy == "query" and query_len is not None and bool((query_len > 0).any()):
             if idx is None:
                 raise ValueError("policy 'query' needs the running text idx (the query)")
             no_query = (query_len == 0).repeat_interleave(n).tolist()  # these rows go right
             with torch.no_grad():
                 q = self.upper.retrieval_vec(idx, (query_len - 1).clamp(min=0)).repeat_interleave(n, dim=0)  # (B*n, dim)
+            # The first layer's K/V of every span the search looks at, kept for the encoding below: a preserved
+            # child's K/V are its encoding's, and a left child (a prefix of its parent) reuses its parent's.
+            store = {}                                                  # (row, start) -> (K, V), each (Hkv, L, hd)
 
             def decide(level, lefts, rights):   # each chunk compares the query with ITS OWN two children
-                with torch.no_grad():   # both children of every tree in one batched call
-                    h_left, h_right = low.retrieval_vec(*gather_spans(rows, [*range(B * n)] * 2, lefts + rights)).chunk(2)
+                spans = [(r, a, b) for r, (a, b) in zip([*range(B * n)] * 2, lefts + rights)]
+                tokens, last = gather_spans(rows, [r for r, _, _ in spans], [(a, b) for _, a, b in spans])
+                with grad:
+                    kv = layer0_kv(spans)
+                with torch.no_grad():   # both children of every tree in one batched call; no gradient in the choice
+                    h_left, h_right = low.retrieval_vec(tokens, last, kv).chunk(2)
                 closer = (F.cosine_similarity(q, h_right, dim=-1) > F.cosine_similarity(q, h_left, dim=-1)).tolist()
                 return [r or nq for r, nq in zip(closer, no_query)]
         nodes = tree.search(B * n, C, s.height, s.beta, decide, s.noise if self.training else 0.0)
 
-        # encode: every preserved node is its own sequence at positions 0.., one batched call per level
-        frozen = not any(p.requires_grad for p in self.lower_parameters())
-        flat = [None] * s.n_lower    # per layer: list of (R_level * k_level, Hkv, hd) blocks
+        # encode: every preserved node is its own sequence at positions 0.., batched by level, at most about
+        # ENCODE_TOKENS tokens per call: a bounded working set keeps a long context's compression at the speed of
+        # a short one's (on a 2-core CPU one call over 64K tokens ran at half the matmul rate) and its memory flat
+        flat = [([], []) for _ in range(s.n_lower)]   # per layer: K and V blocks, each (R_call * k_level, Hkv, hd)
         where, offset = {}, 0        # (row, node start) -> index of its first kept KV in the flat list
         for level in range(1, s.height + 1):
-            sel = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
-            tokens, _ = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
-            keep = torch.tensor([tree.keep_index(len(nd), nd.kept, s.keep) for _, nd in sel], device=rows.device)
-            with torch.no_grad() if frozen else nullcontext():   # the caller's mode otherwise (eval: no_grad)
-                kvs = low.node_kv(tokens, s.n_lower, keep)                  # n_lower x (R, Hkv, k, hd): the kept KVs
-            R, k = keep.shape
-            for j, (K, V) in enumerate(kvs):
-                blocks = [t.transpose(1, 2).reshape(R * k, K.shape[1], K.shape[3]) for t in (K, V)]
-                flat[j] = blocks if flat[j] is None else [torch.cat([a, b]) for a, b in zip(flat[j], blocks)]
-            for i, (r, nd) in enumerate(sel):
-                where[r, nd.start] = offset + i * k
-            offset += R * k
+            at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
+            step = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
+            for sel in (at_level[i:i + step] for i in range(0, len(at_level), step)):
+                tokens, _ = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
+                keep = torch.tensor([tree.keep_index(len(nd), nd.kept, s.keep) for _, nd in sel], device=rows.device)
+                with grad:
+                    kv0 = None if store is None else layer0_kv([(r, nd.start, nd.end) for r, nd in sel])
+                    kvs = low.node_kv(tokens, s.n_lower, keep, kv0)         # n_lower x (R, Hkv, k, hd): the kept KVs
+                R, k = keep.shape
+                for j, kv in enumerate(kvs):
+                    for blocks, t in zip(flat[j], kv):
+                        blocks.append(t.transpose(1, 2).reshape(R * k, t.shape[1], t.shape[3]))
+                for i, (r, nd) in enumerate(sel):
+                    where[r, nd.start] = offset + i * k
+                offset += R * k
         # reorder into (batch, chunk, node in text order, kept KV) and apply chunk-level position ids
         order = torch.tensor([where[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds for t in range(nd.kept)],
                              device=rows.device)
         S = sum(nd.kept for nd in nodes[0])                                   # KVs per chunk, the same for all
         k_pos, q_pos = self.chunk_positions(B, n, rows.device) if s.chunk_ids != "off" else (None, None)
         kv = []
-        for K, V in flat:
+        for K, V in ((torch.cat(ks), torch.cat(vs)) for ks, vs in flat):
             K, V = (t[order].view(B, n * S, *t.shape[1:]).transpose(1, 2) for t in (K, V))   # (B, Hkv, n*S, hd)
             if k_pos is not None:   # keys of chunk i at its chunk position, on top of their node-local rotation (Eq. 2)
                 K = apply_rope(K, *[t[:, None] for t in self.upper.rope(k_pos.repeat_interleave(S, dim=1))])

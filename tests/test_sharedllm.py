@@ -188,7 +188,7 @@ def test_query_policy_pairs_each_chunk_with_its_own_children():
     idx[:, -1] = Q
     for b in range(2):
         ctx[b, 0, 31], ctx[b, 1, 63], ctx[b, 2, 31] = Q, Q, Q
-    s.upper.retrieval_vec = lambda tokens, last: torch.nn.functional.one_hot(tokens[torch.arange(len(last)), last], V).float()
+    s.upper.retrieval_vec = lambda tokens, last, kv=None: torch.nn.functional.one_hot(tokens[torch.arange(len(last)), last], V).float()
     mem = s.compress(ctx, idx, torch.full((2,), idx.shape[1]))
     for r, nds in enumerate(mem.nodes):
         preserved = [(nd.start, nd.end) for nd in nds if nd.level == 1][0]
@@ -277,3 +277,47 @@ def test_retrieval_vec_is_the_first_layer_at_the_last_position():
         pad = idx.clone()
         pad[2, 11:] = 0                                                        # what follows `last` is never read
         assert (m.retrieval_vec(pad, last)[2] - m.retrieval_vec(idx, last)[2]).abs().max() < 2e-6
+
+
+@pytest.mark.parametrize("policy", ["right", "query"])
+def test_compressed_kv_and_gradients_equal_encoding_each_node_alone(policy):
+    # The query policy's search computes the first layer's K/V of the spans it compares and the encoding reuses
+    # them (a left child is a prefix of its parent): values and gradients must equal each node encoded on its own.
+    s, ref = build(policy=policy)
+    ctx, idx = data(B=2, n=3)
+    mem = s.compress(ctx, idx, torch.full((2,), 5))                          # trainable lower model: graph kept
+    S, g = sum(nd.kept for nd in mem.nodes[0]), torch.Generator().manual_seed(3)
+    W = [[torch.randn(t.shape, generator=g) for t in kv] for kv in mem.kv]
+    sum((t * w).sum() for kv, ws in zip(mem.kv, W) for t, w in zip(kv, ws)).backward()
+    ref_loss = 0.0
+    for b in range(2):
+        for c in range(3):
+            off = 0
+            for nd in mem.nodes[b * 3 + c]:
+                keep = torch.tensor([tree.keep_index(len(nd), nd.kept, "last")])
+                sl = slice(c * S + off, c * S + off + nd.kept)
+                for j, (K, V) in enumerate(ref.node_kv(ctx[b, c, nd.start:nd.end][None], 2, keep)):
+                    K = M.apply_rope(K, *M.rope_cos_sin(torch.full((nd.kept,), c), 8, 10000.0))   # chunk id c
+                    assert rel_err(K[0], mem.kv[j][0][b][:, sl].detach()) < 1e-5
+                    assert rel_err(V[0], mem.kv[j][1][b][:, sl].detach()) < 1e-5
+                    ref_loss = ref_loss + (K[0] * W[j][0][b][:, sl]).sum() + (V[0] * W[j][1][b][:, sl]).sum()
+                off += nd.kept
+    ref_loss.backward()
+    for name in ["tok_embeddings.weight", "layers.0.attention.wk.weight", "layers.0.attention.wv.weight",
+                 "layers.0.feed_forward.w1.weight", "layers.1.attention.wk.weight"]:
+        a, r = s.upper.get_parameter(name).grad, ref.get_parameter(name).grad
+        assert r.abs().sum() > 0 and rel_err(a, r) < 1e-5, (name, rel_err(a, r))
+
+
+@pytest.mark.parametrize("policy", ["right", "query"])
+def test_encoding_in_small_calls_changes_nothing(policy, monkeypatch):
+    # compress encodes each level in calls of about ENCODE_TOKENS tokens (speed, memory): the split is invisible
+    s, _ = build(wo_scale=0.5, policy=policy)
+    ctx, idx = data(B=2, n=5)
+    with torch.no_grad():
+        one = s.compress(ctx, idx, torch.full((2,), 5))
+        monkeypatch.setattr(M, "ENCODE_TOKENS", 40)                       # 1-2 nodes per call instead of all 10
+        many = s.compress(ctx, idx, torch.full((2,), 5))
+    assert [[(nd.start, nd.end) for nd in nds] for nds in one.nodes] == [[(nd.start, nd.end) for nd in nds] for nds in many.nodes]
+    for (K1, V1), (K2, V2) in zip(one.kv, many.kv):
+        assert rel_err(K1, K2) < 1e-6 and rel_err(V1, V2) < 1e-6
