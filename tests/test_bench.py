@@ -3,10 +3,12 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 
 import bench
 import model as M
+from configurator import config_of, parse_overrides
 from conftest import ROOT
 from test_train import run
 
@@ -44,17 +46,21 @@ def test_compressed_kv_size_and_flops_match_the_model():
     assert bench.compress_flops(m, 3) == want
 
 
-def test_bench_shape_reads_only_a_config(tmp_path):
+def test_bench_shape_reads_only_a_config(tmp_path, capsys):
     # --shape: a real model's shape with random weights; a folder with only config.json (no weights) is enough
     cfg = dict(model_type="llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
                intermediate_size=96, vocab_size=300, rms_norm_eps=1e-5, tie_word_embeddings=True)
     (tmp_path / "shape").mkdir()
     json.dump(cfg, open(tmp_path / "shape" / "config.json", "w"))
-    bench_py = [sys.executable, os.path.join(ROOT, "bench.py")]
-    out = run(["--quick=True", "--chunk_size=256", f"--shape={tmp_path / 'shape'}"], tmp_path, cmd=bench_py)
-    assert "3 layers, dim 48, heads 6/2" in out and "query-aware retrieval adds" in out
+    cfg = config_of(vars(bench))
+    parse_overrides(["--lengths=512", "--knob_length=512", "--chunk_size=256", "--repeats=1", "--device=cpu",
+                     f"--shape={tmp_path / 'shape'}"], cfg, bench.__file__)
+    res = bench.main(cfg)
+    assert "3 layers, dim 48, heads 6/2" in capsys.readouterr().out and res["retrieval_overhead_pct"] > -100
     assert "smollm2-135m" in M.PRESETS and M.preset("smollm2-135m").n_kv_heads == 3
-    err = run(["--shape=nowhere"], tmp_path, ok=False, cmd=bench_py)
-    assert "--shape=nowhere: neither a model preset" in err
-    err = run([f"--shape={tmp_path / 'shape'}", "--init_from=out"], tmp_path, ok=False, cmd=bench_py)
-    assert "give one" in err
+    for args, msg in [(["--shape=nowhere"], "--shape=nowhere: neither a model preset"),
+                      ([f"--shape={tmp_path / 'shape'}", "--init_from=out"], "give one")]:
+        cfg = config_of(vars(bench))
+        parse_overrides(args, cfg, bench.__file__)
+        with pytest.raises(SystemExit, match=msg):
+            bench.main(cfg)
