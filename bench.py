@@ -214,9 +214,22 @@ def main(g):
             rows.append(dict(value=v, seconds=t, peak_mb=mb, n_layers=layers))
             print(f"  {knob} = {v!s:6} {t:9.4f} s {mb:9.1f} MB" + (f"   ({layers} layers)" if knob == "n_lower" else ""))
         knobs[knob] = rows
-    pol = {r["value"]: r["seconds"] for r in knobs["policy"]}
-    overhead = 100 * (pol["query"] / pol["right"] - 1)
-    print(f"  query-aware retrieval adds {overhead:.1f}% over 'right' at {L:,} context tokens, X_D = {T}")
+    # the overhead itself: right and query alternated, so that drift in the machine's speed hits both alike
+    ts = {"right": [], "query": []}
+    with torch.no_grad():
+        for _ in range(max(3, 2 * g["repeats"])):
+            for p in ts:
+                m.scfg = M.SharedConfig(**{**base.__dict__, "policy": p})
+                sync(dev)
+                t = time.perf_counter()
+                m(ctx, idx, query_len=ql)
+                sync(dev)
+                ts[p].append(time.perf_counter() - t)
+    m.scfg = base
+    med = {p: sorted(v)[len(v) // 2] for p, v in ts.items()}
+    overhead = 100 * (med["query"] / med["right"] - 1)
+    print(f"  query-aware retrieval adds {overhead:.1f}% over 'right' at {L:,} context tokens, X_D = {T} "
+          f"(alternated, median of {len(ts['right'])}: {med['right']:.4f} s vs {med['query']:.4f} s)")
     big = [r for r in sweep if r["context_tokens"] >= 32768] or sweep[-1:]
     pct = min(r["compress_pct_of_peak"] for r in big)
     print(f"compression pass: at least {pct:.1f}% of the measured matmul peak ({peak / 1e12:.2f} TFLOP/s) at "

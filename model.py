@@ -486,25 +486,29 @@ class SharedLLM(nn.Module):
         rows = context.reshape(B * n, C)                                # one tree per (batch item, chunk)
         frozen = not any(p.requires_grad for p in self.lower_parameters())
         grad = torch.no_grad() if frozen else nullcontext()            # else the caller's mode (eval: no_grad)
-        decide, store = None, None
+        decide, store, batches = None, None, []   # query policy: see `store` below
 
         def layer0_kv(spans):
-            # -> the first layer's K, V of each span (row, start, end) as its own sequence, right-padded with zeros
-            # (never read: causal): (R, Hkv, L, hd) each. Only what the store lacks is computed, in one batch.
-            todo = [sp for sp in spans if sp[:2] not in store or store[sp[:2]][0].shape[1] < sp[2] - sp[1]]
+            # -> the first layer's K, V of each span (row, start, end) as its own sequence, right-padded (never read:
+            # causal): (R, Hkv, L, hd) each. Only what the store lacks is computed (one batched call); the rest are
+            # rows of earlier batches, gathered a batch at a time.
+            todo = [sp for sp in spans if sp[:2] not in store or store[sp[:2]][2] < sp[2] - sp[1]]
             if todo:
                 tokens, _ = gather_spans(rows, [r for r, _, _ in todo], [(a, b) for _, a, b in todo])
-                K, V = low.layer0_kv(tokens)
-                for i, (r, a, b) in enumerate(todo):
-                    store[r, a] = (K[i, :, :b - a], V[i, :, :b - a])
-                if len(todo) == len(spans):   # all new (the first level): that batch is already the answer
-                    return K, V
-            K, V = store[spans[0][:2]]
-            out = [K.new_zeros(len(spans), K.shape[0], max(b - a for _, a, b in spans), K.shape[2]) for _ in (K, V)]
-            for i, (r, a, b) in enumerate(spans):
-                for t in (0, 1):
-                    out[t][i, :, :b - a] = store[r, a][t][:, :b - a]
-            return out
+                batches.append(low.layer0_kv(tokens))
+                store.update({(r, a): (len(batches) - 1, i, b - a) for i, (r, a, b) in enumerate(todo)})
+            L, groups = max(b - a for _, a, b in spans), {}
+            for j, (r, a, _) in enumerate(spans):
+                groups.setdefault(store[r, a][0], []).append((j, store[r, a][1]))
+            parts, order = [], []
+            for bi, items in groups.items():
+                at = torch.tensor([i for _, i in items], device=rows.device)
+                parts.append([F.pad(t[:, :, :L].index_select(0, at), (0, 0, 0, max(0, L - t.shape[2]))) for t in batches[bi]])
+                order += [j for j, _ in items]
+            if len(parts) == 1 and order == sorted(order) and len(order) == batches[bi][0].shape[0]:
+                return parts[0]
+            back = torch.tensor(order, device=rows.device).argsort()          # rows back into span order
+            return [torch.cat(ts)[back] for ts in zip(*parts)]
 
         if s.policy == "query" and query_len is not None and bool((query_len > 0).any()):
             if idx is None:
@@ -514,7 +518,7 @@ class SharedLLM(nn.Module):
                 q = self.upper.retrieval_vec(idx, (query_len - 1).clamp(min=0)).repeat_interleave(n, dim=0)  # (B*n, dim)
             # The first layer's K/V of every span the search looks at, kept for the encoding below: a preserved
             # child's K/V are its encoding's, and a left child (a prefix of its parent) reuses its parent's.
-            store = {}                                                  # (row, start) -> (K, V), each (Hkv, L, hd)
+            store = {}        # (row, start) -> (batch, row in it, length): the first layer's K/V of that span
 
             def decide(level, lefts, rights):   # each chunk compares the query with ITS OWN two children
                 spans = [(r, a, b) for r, (a, b) in zip([*range(B * n)] * 2, lefts + rights)]
