@@ -300,14 +300,15 @@ class Llama(nn.Module):
         cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
         x, kvs = self.tok_embeddings(idx), []
         at = keep[:, None, :, None]                                           # (R, 1, k, 1)
+        kept = lambda kv: tuple(t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3])) for t in kv)
         for i, layer in enumerate(self.layers[:n_layers]):
             given = kv0 if i == 0 else None
             if i < n_layers - 1:
                 kv = KeepKV()
                 x = layer(x, cos, sin, 0, kv, kv=given)
-                kvs.append(tuple(t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3])) for t in (kv.k, kv.v)))
+                kvs.append(kept((kv.k, kv.v)))
             elif given is not None:
-                kvs.append(tuple(t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3])) for t in given))
+                kvs.append(kept(given))
             else:
                 xk = x.gather(1, keep[:, :, None].expand(-1, -1, x.shape[2]))     # (R, k, dim)
                 kvs.append(layer.attention.kv(layer.attention_norm(xk), cos[keep][:, None], sin[keep][:, None]))
@@ -505,7 +506,7 @@ class SharedLLM(nn.Module):
                 at = torch.tensor([i for _, i in items], device=rows.device)
                 parts.append([F.pad(t[:, :, :L].index_select(0, at), (0, 0, 0, max(0, L - t.shape[2]))) for t in batches[bi]])
                 order += [j for j, _ in items]
-            if len(parts) == 1 and order == sorted(order) and len(order) == batches[bi][0].shape[0]:
+            if len(parts) == 1:   # one source batch: already in span order
                 return parts[0]
             back = torch.tensor(order, device=rows.device).argsort()          # rows back into span order
             return [torch.cat(ts)[back] for ts in zip(*parts)]
