@@ -30,9 +30,10 @@ from load_llama import load_sharedllm
 # config: every name below can be overridden with --name=value
 init_from = "out"           # a train.py out_dir (or its ckpt.pt), or a LLaMA-2 folder in HF layout
 task = "ppl"                # "ppl" | "passkey" | "ablations"
-chunks = ""                 # chunk counts, e.g. "4,16,64,256"; "" = 1x, 4x, 16x, 64x the training n_chunks
+chunks = ""                 # chunk counts, e.g. "4,16,64,256"; "" = 1x, 4x, 16x, 64x the training n_chunks (ppl: those
+                            # the longest validation document holds)
 block_size = 0              # T: X_D tokens; 0 = as trained
-score_last = 0              # K: scored tokens at the end of X_D; 0 = T // 2
+score_last = 0              # K: scored tokens at the end of X_D; 0 = the paper's 256, or T // 2 for a shorter X_D
 max_windows = 64            # ppl windows, spread evenly over the validation documents
 full = False                # also score the base model with full attention over X_C + X_D (the ceiling of a
                             # pretrained model; passkey: only within its window)
@@ -69,7 +70,8 @@ def ppl_windows(split, n_max, C, T, K, max_windows):
         first = a + n_max * C + T - K          # the first scored token with room for n_max chunks before X_D
         cand += [(a, p) for p in range(first, b - K, K)]   # p + K targets need one more token: p + K <= b - 1
     if not cand:
-        raise ValueError(f"no validation document has {n_max * C + T + 1} tokens ({n_max} chunks x {C} + T={T} + 1)")
+        raise ValueError(f"no validation document has {n_max * C + T + 1} tokens ({n_max} chunks x {C} + T={T} + 1); "
+                         f"the longest has {int(np.diff(offsets).max()):,}: ask for fewer --chunks")
     pick = np.linspace(0, len(cand) - 1, min(max_windows, len(cand))).round().astype(int)
     return [cand[i] for i in pick]
 
@@ -288,7 +290,7 @@ def main(g):
     T = g["block_size"] or train_cfg.get("block_size", 0)
     if T <= 0:
         raise SystemExit("eval.py: set --block_size (X_D tokens): the model folder does not say what it was trained with")
-    K = g["score_last"] or T // 2
+    K = g["score_last"] or min(256, T // 2)
     if not 1 <= K <= T:
         raise SystemExit(f"eval.py: --score_last={K}: expected 1..T={T}")
     print(f"model {g['init_from']}: {model.upper.cfg.n_layers} layers, dim {model.upper.cfg.dim}; {model.scfg}")
@@ -297,6 +299,13 @@ def main(g):
     try:
         needs_text = g["task"] == "ppl" or (g["task"] == "ablations" and train_cfg.get("task") != "passkey")
         splits = data.prepare(tok, package_path(g["data_dir"] or train_cfg.get("data_dir", ""))) if needs_text else None
+        if needs_text and not g["chunks"]:   # the default lengths: those the validation documents hold
+            longest = int(np.diff(splits["val"][1]).max())
+            fit = [n for n in ns if n * C + T + 1 <= longest]
+            if fit != ns:
+                print(f"chunk counts {[n for n in ns if n not in fit]} left out: the longest validation document has "
+                      f"{longest:,} tokens (a window needs n x {C} + T={T} + 1)")
+            ns = fit or ns   # none fits: the error below names the longest document
         if g["task"] == "ppl":
             res = run_ppl(model, splits, ns, C, T, K, g, dev)
         elif g["task"] == "passkey":

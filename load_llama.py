@@ -16,6 +16,7 @@ that names it as the checkpoint itself spells it.
   python load_llama.py model.gguf --save_hf out_folder    # dequantize once into an HF folder that loads faster
 """
 import argparse
+import hashlib
 import json
 import os
 import pickle
@@ -76,17 +77,21 @@ def config_from_hf(ckpt_dir):
         raise ValueError(f"{path}: hidden_act is {c['hidden_act']!r}, expected 'silu'")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise ValueError(f"{path}: attention_bias / mlp_bias is true; LLaMA has no biases")
-    rope = c.get("rope_parameters") or {}   # transformers 5 nests rope_theta here; older configs have it on top
-    scaling = c.get("rope_scaling") or ({"rope_type": rope["rope_type"]} if rope.get("rope_type", "default") != "default" else None)
+    rope = c.get("rope_parameters") or {}   # transformers 5 nests rope_theta and the scaling here; older configs: on top
+    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling:
-        raise ValueError(f"{path}: RoPE scaling {scaling} is not supported (plain RoPE only)")
+        kind = scaling.get("rope_type", scaling.get("type"))
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if kind != "llama3" or any(not isinstance(scaling.get(k), (int, float)) for k in keys):
+            raise ValueError(f"{path}: RoPE scaling {scaling} is not supported (plain RoPE, or 'llama3' with {keys})")
+        scaling = {k: scaling[k] for k in keys}
     return LlamaConfig(
         dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
         n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], vocab_size=c["vocab_size"],
         hidden_dim=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-5),
         rope_theta=c.get("rope_theta") or rope.get("rope_theta") or 10000.0,
         max_seq_len=c.get("max_position_embeddings", 4096), head_dim=c.get("head_dim") or 0,
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_scaling=scaling)
 
 
 def safetensors_files(ckpt_dir):
@@ -262,7 +267,8 @@ def save_hf(model, tok, out_dir):
                num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, intermediate_size=c.hidden_dim,
                vocab_size=c.vocab_size, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, head_dim=c.head_dim,
                max_position_embeddings=c.max_seq_len, tie_word_embeddings=c.tie_embeddings, hidden_act="silu",
-               bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, torch_dtype=str(next(model.parameters()).dtype)[6:])
+               bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, torch_dtype=str(next(model.parameters()).dtype)[6:],
+               rope_scaling={"rope_type": "llama3", **c.rope_scaling} if c.rope_scaling else None)
     json.dump(cfg, open(os.path.join(out_dir, "config.json"), "w"), indent=1)
     json.dump(T.to_tokenizer_json(tok), open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8"),
               ensure_ascii=False)
@@ -274,11 +280,12 @@ def load_tokenizer(path):
     # the tokenizer of a checkpoint: an HF folder (tokenizer.json or tokenizer.model), a .gguf file, or the file itself
     if path.endswith(".gguf"):
         return T.from_gguf_metadata(read_gguf(path)[1], path)
+    ids = {}
     if os.path.isdir(path):
-        ids = {}
         if os.path.isfile(os.path.join(path, "config.json")):
             c = json.load(open(os.path.join(path, "config.json")))
-            ids = dict(bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"))
+            eos = c.get("eos_token_id")   # Llama-3.1 Instruct lists several stop ids: the first ends generation here
+            ids = dict(bos_id=c.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) and eos else eos)
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             return T.from_tokenizer_json(os.path.join(path, "tokenizer.json"), **ids)
         path = os.path.join(path, "tokenizer.model")
@@ -286,6 +293,8 @@ def load_tokenizer(path):
         return T.from_tokenizer_json(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no tokenizer there (tokenizer.json or tokenizer.model)")
+    if T.is_tiktoken_file(path):   # Llama-3's tokenizer.model; LLaMA-2's is a sentencepiece model
+        return T.TiktokenTokenizer(path, **{k: v for k, v in ids.items() if isinstance(v, int)})
     return T.Tokenizer(path)
 
 
@@ -296,9 +305,9 @@ def tokenizer_from_spec(spec):
         return T.ByteTokenizer()
     if kind == "gpt2":
         return T.GPT2Tokenizer()
-    if kind in ("sentencepiece", "bpe"):
+    if kind in ("sentencepiece", "bpe", "tiktoken"):
         return load_tokenizer(spec["path"])
-    raise ValueError(f"unknown tokenizer spec {spec!r}; expected kind 'byte', 'gpt2', 'sentencepiece' or 'bpe'")
+    raise ValueError(f"unknown tokenizer spec {spec!r}; expected kind 'byte', 'gpt2', 'sentencepiece', 'bpe' or 'tiktoken'")
 
 # -----------------------------------------------------------------------------
 # train.py checkpoints, and a SharedLLM from either kind of path
@@ -319,6 +328,49 @@ def read_checkpoint(path):
         raise ValueError(f"{path}: not a readable train.py checkpoint ({e.__class__.__name__}: {e})") from None
 
 
+def base_digest(path):
+    # sha256 of a base checkpoint's content (a .gguf file; an HF folder's config.json and weight files): what a light
+    # train.py checkpoint records, so that it is never combined with other weights than those it was trained on
+    files = [path] if path.endswith(".gguf") else [os.path.join(path, "config.json")] + safetensors_files(path)
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 24):
+                h.update(block)
+    return h.hexdigest()
+
+
+def sharedllm_from_checkpoint(ck, ckpt_file, dtype=torch.float32):
+    # The SharedLLM of a train.py checkpoint, its tensors in the dtypes they were saved in. A full checkpoint holds
+    # every tensor: the model is built on the meta device (no random init, no memory) and takes them as they are. A
+    # light one (it has "base") holds only what trained: the rest comes from the base checkpoint it names, in `dtype`,
+    # and only if that base is byte for byte the one it was trained on.
+    args, state, base = ck["model_args"], ck["model"], ck.get("base")
+    scfg = M.SharedConfig(**args["shared"])
+    if base:
+        if not os.path.exists(base["path"]):
+            raise FileNotFoundError(f"{ckpt_file}: a light checkpoint (only the trained weights); its base model "
+                                    f"{base['path']} is not there")
+        if base_digest(base["path"]) != base["sha256"]:
+            raise ValueError(f"{ckpt_file}: a light checkpoint trained on {base['path']} with sha256 "
+                             f"{base['sha256'][:16]}...; those files have changed since, and these trained weights "
+                             f"belong to the old ones (retrain, or restore the base)")
+        model = M.SharedLLM(load_llama(base["path"], "cpu", dtype), scfg)
+    else:
+        with torch.device("meta"):
+            model = M.SharedLLM(Llama(LlamaConfig(**args["llama"])), scfg)
+    try:   # assign: the saved tensors themselves (an fp32 master weight stays fp32 over a bf16 base)
+        model.load_state_dict(state, strict=not base, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{ckpt_file}: its weights do not fit its own model_args ({e})") from None
+    unknown = set(state) - set(model.state_dict())
+    if unknown:
+        raise ValueError(f"{ckpt_file}: tensors {sorted(unknown)[:3]} are not part of its model")
+    if model.upper.cfg.tie_embeddings:   # assign made the head a Parameter of its own: one tensor again
+        model.upper.output.weight = model.upper.tok_embeddings.weight
+    return model
+
+
 def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
     # A SharedLLM and its tokenizer from a train.py checkpoint (a ckpt.pt file or the out_dir holding one), or from a
     # LLaMA folder or .gguf file (untrained cross-attention: exactly the base model until trained). shared: SharedConfig
@@ -327,18 +379,14 @@ def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
     if os.path.isfile(ckpt_file):
         ck = read_checkpoint(ckpt_file)
         try:
-            args, state, train_cfg, spec = ck["model_args"], ck["model"], ck["config"], ck["tokenizer"]
+            args, train_cfg, spec = ck["model_args"], ck["config"], ck["tokenizer"]
         except (KeyError, TypeError) as e:
             raise ValueError(f"{ckpt_file}: not a train.py checkpoint (no {e})") from None
         if "n_lower" in shared and shared["n_lower"] != args["shared"]["n_lower"]:
             raise ValueError(f"n_lower (M) = {shared['n_lower']}: {ckpt_file} was trained with M = "
                              f"{args['shared']['n_lower']} cross-attention layers; M is fixed by the checkpoint")
         tok = tokenizer_from_spec(spec)
-        model = M.SharedLLM(Llama(LlamaConfig(**args["llama"])), M.SharedConfig(**args["shared"]))
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as e:
-            raise ValueError(f"{ckpt_file}: its weights do not fit its own model_args ({e})") from None
+        model = sharedllm_from_checkpoint(ck, ckpt_file, dtype)
         model.scfg = M.SharedConfig(**{**args["shared"], **shared})   # inference-time settings only: no new weights
     elif path.endswith(".gguf") or os.path.isfile(os.path.join(path, "config.json")):
         tok, train_cfg = load_tokenizer(path), {}

@@ -51,6 +51,8 @@ class LlamaConfig:
     max_seq_len: int = 4096     # the context window the base model was trained for (informational: RoPE takes any position)
     head_dim: int = 0           # 0 means dim // n_heads
     tie_embeddings: bool = False   # the output head IS the embedding matrix (SmolLM2, Llama-3.2 1B/3B); LLaMA-2: untied
+    rope_scaling: dict = None   # Llama-3.1/3.2's "llama3" frequency scaling: {"factor", "low_freq_factor",
+                                # "high_freq_factor", "original_max_position_embeddings"}; None = plain RoPE
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.dim // self.n_heads
@@ -98,12 +100,24 @@ class RMSNorm(nn.Module):
 # We load HF safetensors, so this file uses the split-half form and the weights load untouched.
 # To use Meta's layout instead, un-permute HF weights per head:
 #   w.view(n_heads, 2, head_dim // 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim)   (n_kv_heads for wk)
-def rope_cos_sin(pos, head_dim, theta):
+def rope_cos_sin(pos, head_dim, theta, scaling=None):
     # pos: integer tensor of any shape (...); returns cos, sin of shape (..., head_dim), in fp32
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim))
+    if scaling:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     angles = pos.float()[..., None] * inv_freq            # (..., head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)          # (..., head_dim), same angle for both halves
     return angles.cos(), angles.sin()
+
+
+def llama3_scaled(inv_freq, s):
+    # Llama-3.1's long-context RoPE: frequencies whose wavelength is short next to the original window stay, long
+    # ones are slowed down by `factor`, and those in between are blended linearly in (window / wavelength).
+    window, factor = s["original_max_position_embeddings"], s["factor"]
+    lo, hi = s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    blend = ((window / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)   # 0: long wavelength (> window/lo), 1: short
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
 def apply_rope(x, cos, sin):
@@ -261,7 +275,7 @@ class Llama(nn.Module):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def rope(self, pos):
-        return rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
+        return rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
     def forward(self, idx, targets=None, start_pos=0, caches=None, memory=None, last=0):
         # idx: (B, T) token ids at positions start_pos..start_pos+T-1 (X_D starts at position 0).
@@ -511,12 +525,14 @@ class SharedLLM(nn.Module):
             back = torch.tensor(order, device=rows.device).argsort()          # rows back into span order
             return [torch.cat(ts)[back] for ts in zip(*parts)]
 
+        query_len = None if query_len is None else torch.as_tensor(query_len).cpu()   # the tree reads it on the host
         if s.policy == "query" and query_len is not None and bool((query_len > 0).any()):
             if idx is None:
                 raise ValueError("policy 'query' needs the running text idx (the query)")
             no_query = (query_len == 0).repeat_interleave(n).tolist()  # these rows go right
             with torch.no_grad():
-                q = self.upper.retrieval_vec(idx, (query_len - 1).clamp(min=0)).repeat_interleave(n, dim=0)  # (B*n, dim)
+                last = (query_len - 1).clamp(min=0).to(idx.device)
+                q = self.upper.retrieval_vec(idx, last).repeat_interleave(n, dim=0)  # (B*n, dim)
             # The first layer's K/V of every span the search looks at, kept for the encoding below: a preserved
             # child's K/V are its encoding's, and a left child (a prefix of its parent) reuses its parent's.
             store = {}        # (row, start) -> (batch, row in it, length): the first layer's K/V of that span

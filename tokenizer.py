@@ -7,7 +7,8 @@ of plain values that train.py stores in its checkpoints and load_llama.tokenizer
 - GPT2Tokenizer: GPT-2 BPE through tiktoken. tiktoken downloads its BPE files once and caches them; offline, point
   TIKTOKEN_CACHE_DIR at a folder that holds them (cache file names are tiktoken's own);
 - Tokenizer: a sentencepiece model, as LLaMA-2's tokenizer.model;
-- BPETokenizer: the byte-level BPE of an HF tokenizer.json or a GGUF file (SmolLM2, Llama-3), through tiktoken.
+- BPETokenizer: the byte-level BPE of an HF tokenizer.json or a GGUF file (SmolLM2, Llama-3), through tiktoken;
+- TiktokenTokenizer: Llama-3's own tokenizer.model, which is a tiktoken file (base64 token, rank = id, per line).
 """
 import json
 import os
@@ -146,6 +147,49 @@ def pretokenizer_json(pattern):
         return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
     return {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
                                                    "invert": False}, {**byte_level, "use_regex": False}]}
+
+
+# Llama-3's pre-tokenizer regex and its 256 special tokens after the BPE ids (Meta's tokenizer.py; 3.1 renamed a few
+# reserved ones, which changes no id)
+LLAMA3_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+                   "<|reserved_special_token_2|>", "<|reserved_special_token_3|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>"] + \
+                  [f"<|reserved_special_token_{i}|>" for i in range(5, 251)]
+
+
+def is_tiktoken_file(path):
+    # a tiktoken BPE file is text, "base64 rank" per line; a sentencepiece model is a binary protobuf
+    with open(path, "rb") as f:
+        first = f.readline(1000).split()
+    return len(first) == 2 and first[1].isdigit() and all(c in b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=" for c in first[0])
+
+
+class TiktokenTokenizer:
+    # Llama-3's tokenizer.model: tiktoken's own format, so tiktoken runs it as it is; BOS <|begin_of_text|> is added
+    def __init__(self, path, bos_id=None, eos_id=None):
+        import base64
+        import tiktoken
+        try:
+            ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in open(path, "rb") if line.strip())}
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{path}: not a tiktoken BPE file ({e.__class__.__name__}: {e})") from None
+        n = len(ranks)
+        if sorted(ranks.values()) != list(range(n)):
+            raise ValueError(f"{path}: tiktoken ranks must be 0..{n - 1} with none missing")
+        self.specials = {s: n + i for i, s in enumerate(LLAMA3_SPECIALS)}
+        self.enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens=self.specials)
+        self.bos_id = self.specials["<|begin_of_text|>"] if bos_id is None else bos_id
+        self.eos_id = self.specials["<|end_of_text|>"] if eos_id is None else eos_id
+        self.vocab_size, self.add_bos = n + len(LLAMA3_SPECIALS), True
+        self.spec = {"kind": "tiktoken", "path": os.path.abspath(path)}
+
+    def encode(self, text, bos=None, eos=False):
+        return [self.bos_id] * (self.add_bos if bos is None else bos) + self.enc.encode_ordinary(text) + [self.eos_id] * eos
+
+    def decode(self, ids):
+        return self.enc.decode_bytes([i for i in ids if i < self.vocab_size]).decode("utf-8", "replace")
 
 
 def from_tokenizer_json(path, bos_id=None, eos_id=None):

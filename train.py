@@ -21,7 +21,8 @@ import torch
 import data
 import model as M
 from configurator import auto_device, config_of, package_path, parse_overrides, peak_flops
-from load_llama import load_llama, load_tokenizer, read_checkpoint, tokenizer_from_spec
+from load_llama import (base_digest, load_llama, load_tokenizer, read_checkpoint, sharedllm_from_checkpoint,
+                        tokenizer_from_spec)
 from tokenizer import ByteTokenizer, GPT2Tokenizer
 
 # -----------------------------------------------------------------------------
@@ -65,6 +66,8 @@ inject = "bottom"           # "bottom" | "top" | "interleaved"
 train = "all"               # what trains: "all" | "cross" (cross-attention only: released code, LM) |
                             # "cross+top" (plus the top N-M layers: the paper's LM text) | "upper" (the whole upper model: SFT)
 activation_checkpointing = False
+light_ckpt = True           # from a pretrained folder: checkpoints hold only what trains, plus the base's path and
+                            # sha256 (a 7B run saves megabytes, not 13.5 GB); from scratch they always hold everything
 # optimizer
 batch_size = 16
 gradient_accumulation_steps = 1
@@ -79,7 +82,8 @@ beta1, beta2 = 0.9, 0.99
 grad_clip = 1.0
 # system
 device = "auto"             # "auto" = cuda, then mps, then cpu
-dtype = "auto"              # "auto" = bfloat16 where supported, else float32 (never float16 by default)
+dtype = "auto"              # "auto" = bfloat16 autocast on CUDA where supported, else float32 (never float16 by default);
+                            # what trains is always held in float32 (master weights and AdamW state)
 compile = False
 seed = 1337
 # -----------------------------------------------------------------------------
@@ -111,7 +115,7 @@ def main():
     if dt not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"--dtype={dt}: expected float32 or bfloat16 (or float16)")
     ptdtype = getattr(torch, dt)
-    autocast = nullcontext() if dev_type == "cpu" or dt == "float32" else torch.autocast(dev_type, dtype=ptdtype)
+    autocast = nullcontext() if dt == "float32" else torch.autocast(dev_type, dtype=ptdtype)
     torch.manual_seed(seed + rank)
     rng = random.Random(seed + rank)   # the data stream
     random.seed(seed + rank)           # tree split noise
@@ -123,7 +127,7 @@ def main():
     # model and tokenizer
     scfg = dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy, keep=keep,
                 noise=noise, chunk_ids=chunk_ids, max_chunk_dist=max_chunk_dist or n_chunks, max_chunk_id=max_chunk_id, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
-    ckpt = None
+    ckpt, base = None, None
     if init_from == "scratch":
         tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: load_tokenizer(tokenizer))()
         vocab = M.PRESETS[preset]["vocab_size"] if preset in M.PRESETS else 0
@@ -135,41 +139,46 @@ def main():
             raise SystemExit(f"init_from=resume: no checkpoint at {path}")
         try:
             ckpt = read_checkpoint(path)
-        except ValueError as e:
+            raw = sharedllm_from_checkpoint(ckpt, path, ptdtype)   # saved tensors as saved; a light one's base in ptdtype
+        except (ValueError, FileNotFoundError, ImportError) as e:
             raise SystemExit(f"init_from=resume: {e}") from None
         tok = tokenizer_from_spec(ckpt["tokenizer"])
-        model_args = ckpt["model_args"]
-        llama = M.Llama(M.LlamaConfig(**model_args["llama"]))
-        scfg = model_args["shared"]
+        model_args, llama, base = ckpt["model_args"], raw.upper, ckpt.get("base")
     else:   # a LLaMA folder or .gguf file: both models come from this one checkpoint
         try:
             tok = load_tokenizer(package_path(init_from))
-            llama = load_llama(package_path(init_from), "cpu", ptdtype if dev_type == "cuda" else torch.float32)
+            llama = load_llama(package_path(init_from), "cpu", ptdtype)   # bf16 on CUDA: what stays frozen stays bf16
+            base = dict(path=os.path.abspath(package_path(init_from)), sha256=base_digest(package_path(init_from))) \
+                if light_ckpt else None
         except (ValueError, FileNotFoundError, ImportError) as e:
             raise SystemExit(f"init_from={init_from}: {e}") from None
         model_args = dict(llama=asdict(llama.cfg), shared=scfg)
     if tok.vocab_size > llama.cfg.vocab_size:
         raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {llama.cfg.vocab_size}")
     llama.checkpointing = activation_checkpointing
-    try:
-        raw = M.SharedLLM(llama, M.SharedConfig(**scfg))
-    except ValueError as e:   # an impossible SharedLLM setting (policy, chunk_ids, M, C / height / beta, ...)
-        raise SystemExit(f"train.py: {e}") from None
-    if ckpt is not None:
-        raw.load_state_dict(ckpt["model"])
+    if ckpt is None:
+        try:
+            raw = M.SharedLLM(llama, M.SharedConfig(**scfg))
+        except ValueError as e:   # an impossible SharedLLM setting (policy, chunk_ids, M, C / height / beta, ...)
+            raise SystemExit(f"train.py: {e}") from None
     set_trainable(raw, train)
+    # Mixed precision the standard way: what trains is held in fp32 (AdamW's step on a bf16 weight is lost whenever it
+    # is below half a bf16 ulp: bf16(0.02 + 1e-5) == 0.02), frozen weights keep their dtype, autocast runs the math
+    for p in raw.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
     drops_context = context_dropout > 0 and task != "passkey"   # some language-modeling batches come without X_C
     if train == "cross" and drops_context:
         raise SystemExit(f"--context_dropout={context_dropout} with --train=cross: a batch without X_C reaches no trainable "
                          "parameter (only cross-attention trains, and the frozen upper model already works alone); "
                          "use --context_dropout=0")
-    raw.to(dev)
     n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)
     n_frozen = sum(p.numel() for p in raw.parameters() if not p.requires_grad)
     if master:
         print(f"model: {llama.cfg}\nshared: {raw.scfg}\ntrainable {n_train:,} / frozen {n_frozen:,} parameters (train={train!r})")
-        if init_from not in ("scratch", "resume"):
-            memory_estimate(raw, dt, dev)
+        if init_from != "scratch":
+            memory_estimate(raw, dt, dev)   # before anything is allocated on the device
+    raw.to(dev)
     model = torch.compile(raw) if compile and dev_type != "cpu" else raw
     if ddp:
         # a batch without X_C (context_dropout) leaves cross-attention unused on that rank: DDP must allow it
@@ -220,8 +229,15 @@ def main():
         # In "mixed", language modeling is measured once it has started (before lm_from it would measure noise).
         raw.eval()
         trained_beta, raw.scfg.beta = raw.scfg.beta, beta   # always evaluate at the target compression
-        out = {}
-        for n in [int(x) for x in chunk_counts.split(",")]:
+        out, counts = {}, [int(x) for x in chunk_counts.split(",")]
+        lm_batches = []
+        if task == "lm" or (task == "mixed" and iter_num > lm_from):
+            # windows drawn once for the largest chunk count; a shorter context is the most recent n chunks of the
+            # same window, so every length scores the very same X_D tokens and the ratios compare context alone
+            lrng = random.Random(1000)
+            lm_batches = [[t.to(dev) for t in data.get_batch("lm", batch_size, lrng, tok, splits, max(counts), chunk_size,
+                                                              block_size, "val")] for _ in range(eval_iters)]
+        for n in counts:
             erng = random.Random(1000 + n)
             if task in ("passkey", "mixed"):
                 hits = [0, 0]
@@ -233,11 +249,10 @@ def main():
                         scored = batch[2] != -100
                         hits[j] += ((logits.argmax(-1) == batch[2]) | ~scored).all(-1).sum().item()
                 out[f"passkey@{n}"], out[f"passkey_noctx@{n}"] = (h / (eval_iters * batch_size) for h in hits)
-            if task == "lm" or (task == "mixed" and iter_num > lm_from):
+            if lm_batches:
                 losses = [0.0, 0.0]
-                for _ in range(eval_iters):
-                    batch = [t.to(dev) for t in data.get_batch("lm", batch_size, erng, tok, splits, n, chunk_size, block_size, "val")]
-                    for j, ctx in enumerate((batch[0], None)):
+                for batch in lm_batches:
+                    for j, ctx in enumerate((batch[0][:, -n:], None)):
                         with autocast:
                             losses[j] += raw(ctx, batch[1], batch[2])[1].item() / eval_iters
                 out[f"lm_loss@{n}"], out[f"lm_loss_noctx@{n}"] = losses
@@ -246,13 +261,28 @@ def main():
         raw.scfg.beta = trained_beta
         return out
 
+    trained = {n for n, p in raw.named_parameters(remove_duplicate=False) if p.requires_grad}
+
     def save():
-        ck = dict(model=raw.state_dict(), optimizer=optimizer.state_dict(), model_args=model_args, iter_num=iter_num,
+        state = raw.state_dict()
+        if base:   # light: what trains, and the base checkpoint (path and content hash) that holds the rest
+            state = {k: v for k, v in state.items() if k in trained}
+        ck = dict(model=state, optimizer=optimizer.state_dict(), model_args=model_args, iter_num=iter_num,
                   config=config, tokenizer=tok.spec, rng=[rng.getstate()], tree_rng=random.getstate(),
-                  torch_rng=torch.get_rng_state())
+                  torch_rng=torch.get_rng_state(), **(dict(base=base) if base else {}))
         path = os.path.join(out_dir, "ckpt.pt")
         torch.save(ck, path + ".tmp")      # written in full, then renamed: a crash never leaves half a checkpoint
         os.replace(path + ".tmp", path)
+
+    # a non-finite loss stops the run, read back only at log lines and checkpoints (one host sync per micro-step
+    # costs nothing on a CPU and stalls a GPU); the weights it corrupted are never saved
+    nonfinite, checked_at = torch.zeros((), dtype=torch.bool, device=dev), iter_num
+
+    def check_finite(since):
+        if nonfinite.item():
+            raise SystemExit(f"a loss was not finite between iterations {since} and {iter_num}; lower --learning_rate "
+                             "or use --dtype=float32 (nothing was saved after it)")
+        return iter_num
 
     # -------------------------------------------------------------------------
     # the loop
@@ -262,6 +292,7 @@ def main():
     while True:
         last = iter_num >= max_iters or 0 < stop_iter <= iter_num
         if (iter_num % eval_interval == 0 or last) and master and (iter_num > 0 or eval_only):
+            check_finite(checked_at)
             res = evaluate(final_eval_chunks if last and final_eval_chunks else eval_chunks)
             print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
             if not eval_only:
@@ -278,15 +309,14 @@ def main():
             kind = task
             if task == "mixed":
                 kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"   # one kind per batch
-            ctx, idx, tgt, ql = (t.to(dev) for t in data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size,
-                                                                   block_size))
+            ctx, idx, tgt, ql = data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size, block_size)
+            ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)   # query lengths stay on the host: the tree reads them
             if kind == "lm" and context_dropout > 0 and rng.random() < context_dropout:
                 ctx = None
             sync = nullcontext() if not ddp or micro == gradient_accumulation_steps - 1 else model.no_sync()
             with sync, autocast:
                 _, loss = model(ctx, idx, tgt, ql)
-            if not torch.isfinite(loss):
-                raise SystemExit(f"iter {iter_num}: loss is {loss.item()}; lower --learning_rate or use --dtype=float32")
+            nonfinite |= ~torch.isfinite(loss.detach())   # on the device: read at the next log line or checkpoint
             (loss / gradient_accumulation_steps).backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -294,6 +324,7 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         if iter_num % log_interval == 0 and master:
+            checked_at = check_finite(checked_at)
             dt_ = (time.time() - t0) / log_interval
             t0 = time.time()
             toks = gradient_accumulation_steps * batch_size * world * (n * chunk_size + idx.shape[1])
@@ -336,15 +367,17 @@ def step_flops(m, n, T):
 
 
 def memory_estimate(m, dt, dev):
-    # what training will need, printed before anything large is allocated on the device
+    # what training will hold on the device, printed before anything is allocated there: the weights as they are
+    # (frozen ones in their load dtype, trainable ones in fp32), fp32 gradients and AdamW's two fp32 moments for what
+    # trains, activations of one micro-batch (autocast: bf16 on CUDA), and the compressed KVs
     c, s = m.upper.cfg, m.scfg
-    wbytes = 2 if dt in ("bfloat16", "float16") else 4
-    n_all = sum(p.numel() for p in m.parameters())
+    abytes = 2 if dt != "float32" else 4
     n_tr = sum(p.numel() for p in m.parameters() if p.requires_grad)
-    act = batch_size * block_size * c.dim * wbytes * (c.n_layers * (2 if activation_checkpointing else 18)) \
+    act = batch_size * block_size * c.dim * abytes * (c.n_layers * (2 if activation_checkpointing else 18)) \
         + batch_size * block_size * c.vocab_size * 4 * 2
-    kv = batch_size * 2 * s.n_lower * n_chunks * (s.chunk_size // s.beta) * c.n_kv_heads * c.head_dim * wbytes
-    est = dict(weights=n_all * wbytes, grads=n_tr * wbytes, adam=n_tr * 8, activations=act, compressed_kv=kv)
+    kv = batch_size * 2 * s.n_lower * n_chunks * (s.chunk_size // s.beta) * c.n_kv_heads * c.head_dim * abytes
+    est = dict(weights=sum(p.numel() * p.element_size() for p in m.parameters()), grads=n_tr * 4, adam=n_tr * 8,
+               activations=act, compressed_kv=kv)
     print("memory estimate: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in est.items())
           + f"; total {sum(est.values()) / 2**30:.1f} GiB on {dev}")
 

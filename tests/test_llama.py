@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import model as M
-from conftest import make_hf_checkpoint, rel_err
+from conftest import make_hf_checkpoint, rel_err, tiny_tiktoken_file
 from load_llama import load_llama
 
 
@@ -198,3 +198,48 @@ def test_presets_are_explicit():
         M.preset("llama-7b")
     with pytest.raises(AssertionError, match="n_kv_heads"):
         M.LlamaConfig(dim=64, n_heads=4, n_kv_heads=3)
+
+
+def test_llama3_style_checkpoint_tiktoken_tokenizer_scaled_rope_tied(tmp_path):
+    # Llama-3.2 in miniature: a tiktoken tokenizer.model, "llama3" RoPE scaling, tied embeddings
+    import tokenizer as T
+    from load_llama import load_tokenizer
+    transformers = pytest.importorskip("transformers")
+    n = tiny_tiktoken_file(tmp_path / "tokenizer.model")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}   # head_dim 16, theta 1e4: kept, blended and slowed frequencies
+    hf = make_hf_checkpoint(tmp_path, vocab=n + 256, tie=True, rope_scaling=scaling, bos_token_id=n, eos_token_id=[n + 1, n + 9])
+    tok = load_tokenizer(str(tmp_path))
+    assert isinstance(tok, T.TiktokenTokenizer) and (tok.bos_id, tok.eos_id, tok.vocab_size) == (n, n + 1, n + 256)
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_object=TikTokenConverter(
+        vocab_file=str(tmp_path / "tokenizer.model"), extra_special_tokens=T.LLAMA3_SPECIALS).converted())
+    for text in ["the thing and the other", "  Thing 12345678 and\n\n\tthe end ", "héllo wörld — 你好 🙂", "I'LL've"]:
+        assert tok.encode(text, bos=False) == ref.encode(text), text
+        assert tok.decode(tok.encode(text)) == "<|begin_of_text|>" + text
+    assert ref.convert_tokens_to_ids(["<|begin_of_text|>", "<|eot_id|>"]) == [n, n + 9]
+    ours = load_llama(str(tmp_path))
+    assert ours.cfg.rope_scaling["factor"] == 8.0 and ours.output.weight is ours.tok_embeddings.weight
+    idx = torch.tensor([tok.encode("the thing and the other 123 " * 4)])
+    assert idx.shape[1] > 40                                  # past the "original" window of 32 positions
+    with torch.no_grad():
+        err = rel_err(hf(idx).logits, ours(idx)[0])
+        ours.cfg.rope_scaling = None                           # plain RoPE on the same weights is far off
+        err_plain = rel_err(hf(idx).logits, ours(idx)[0])
+    assert err <= 1e-5 and err_plain > 1e-2, (err, err_plain)
+
+
+def test_padded_vocabulary_and_other_rope_scalings(tmp_path):
+    # a config with more ids than the tokenizer (padded for speed) loads; a tokenizer with more ids than the model, or
+    # a RoPE scaling other than llama3, is refused naming the file
+    import json
+    n = tiny_tiktoken_file(tmp_path / "tokenizer.model")
+    make_hf_checkpoint(tmp_path, vocab=n + 256 + 64)
+    assert load_llama(str(tmp_path)).cfg.vocab_size == n + 256 + 64
+    cfg = json.load(open(tmp_path / "config.json"))
+    json.dump({**cfg, "vocab_size": n}, open(tmp_path / "config.json", "w"))
+    with pytest.raises(ValueError, match=f"tokenizer.model has {n + 256} ids but config.json says vocab_size={n}"):
+        load_llama(str(tmp_path))
+    json.dump({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, open(tmp_path / "config.json", "w"))
+    with pytest.raises(ValueError, match="config.json: RoPE scaling .*yarn.* is not supported"):
+        load_llama(str(tmp_path))

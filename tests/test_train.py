@@ -12,7 +12,7 @@ import torch
 import data
 import model as M
 from configurator import parse_overrides
-from conftest import ROOT, SHARED_TOKENIZERS, make_hf_checkpoint
+from conftest import ROOT, SHARED_TOKENIZERS, make_hf_checkpoint, tiny_tiktoken_file
 from tokenizer import ByteTokenizer
 
 MICRO = ["--preset=micro", "--n_lower=1", "--chunk_size=32", "--n_chunks=2", "--chunk_schedule=", "--block_size=48",
@@ -174,3 +174,64 @@ def test_context_dropout_one_never_trains_cross_attention(tmp_path):
         ck = torch.load(tmp_path / str(drop) / "ckpt.pt", weights_only=True)["model"]
         wo = [ck[k].abs().max().item() for k in ck if "cross_attention.wo" in k]
         assert wo and (max(wo) == 0) == (drop == 1.0), wo    # with the context (drop 0) it does train
+
+
+def train_in_process(args, tmp_path):
+    # train.main() with these flags, in this process (a subprocess would cost a torch import)
+    import train
+    cfg = parse_overrides(args, dict(train.config), train.__file__)
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in cfg.items():
+            mp.setattr(train, k, v)
+        mp.setattr(train, "config", cfg)   # what the checkpoint records
+        train.main()
+
+
+def tiny_llama_and_docs(tmp_path, **kw):
+    # a random tiny HF checkpoint with a (Llama-3 format) tokenizer of 526 ids, and 10 text documents
+    ck, docs = tmp_path / "llama", tmp_path / "docs"
+    ck.mkdir()
+    n = tiny_tiktoken_file(ck / "tokenizer.model")
+    make_hf_checkpoint(ck, vocab=n + 256, bos_token_id=n, eos_token_id=n + 1, **kw)
+    docs.mkdir()
+    for i in range(10):
+        (docs / f"{i}.txt").write_text(" ".join(f"w{(j * 7 + i) % 300} x{j % 13}" for j in range(400)))
+    return ck, docs
+
+
+def test_bf16_base_keeps_small_cross_attention_updates(tmp_path, capsys):
+    # A bf16 base model, 10 AdamW steps at lr 1e-5 on the cross-attention: in bf16 itself nearly every step would round
+    # away (bf16(0.02 + 1e-5) == 0.02); held in fp32 (master weights), the steps match an all-fp32 run's.
+    ck, docs = tiny_llama_and_docs(tmp_path)
+    common = [f"--init_from={ck}", "--train=cross", "--task=lm", f"--data_dir={docs}", "--n_lower=1",
+              "--chunk_size=32", "--n_chunks=2", "--chunk_schedule=", "--beta_schedule=", "--block_size=32",
+              "--batch_size=2", "--max_iters=10", "--eval_interval=10", "--eval_iters=1", "--eval_chunks=2",
+              "--final_eval_chunks=", "--context_dropout=0", "--learning_rate=1e-5", "--min_lr=1e-5",
+              "--warmup_iters=0", "--device=cpu", "--log_interval=5"]
+    deltas = {}
+    for dt in ("bfloat16", "float32"):
+        train_in_process(common + [f"--dtype={dt}", f"--out_dir={tmp_path / dt}"], tmp_path)
+        saved = torch.load(tmp_path / dt / "ckpt.pt", weights_only=True)
+        wq = saved["model"]["upper.layers.0.cross_attention.wq.weight"]
+        assert wq.dtype == torch.float32 and set(saved["model"]) == {f"upper.layers.0.cross_{k}.weight" for k in
+                                                                     ("norm", "attention.wq", "attention.wo")}
+        base = load_llama_weights(ck)["model.layers.0.self_attn.q_proj.weight"]
+        deltas[dt] = wq - base.to(getattr(torch, dt)).float()          # the step taken from where training started
+    out = capsys.readouterr().out
+    assert "(autocast)" in out and "memory estimate: weights" in out
+    changed = (deltas["bfloat16"] != 0).float().mean().item()
+    err = ((deltas["bfloat16"] - deltas["float32"]).norm() / deltas["float32"].norm()).item()
+    print(f"bf16 base: {100 * changed:.1f}% of wq entries moved; step vs the fp32 run: relative difference {err:.3f}")
+    assert changed > 0.99 and err < 0.3   # bf16 compute moves the step by ~16% here; a lost step would read ~1
+    w = (torch.randn(64, 64) * 0.02).bfloat16().requires_grad_()      # the same steps on a bf16 weight itself
+    opt = torch.optim.AdamW([w], lr=1e-5)
+    w0 = w.detach().clone()
+    for _ in range(10):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    assert (w.detach() != w0).float().mean().item() < 0.5              # most of them lost: what the fp32 copy prevents
+
+
+def load_llama_weights(folder):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(folder, "model.safetensors"))

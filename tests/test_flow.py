@@ -1,0 +1,57 @@
+# The LLaMA path end to end on a tiny random HF checkpoint, as the README's "Your own LLaMA" section runs it:
+# smoke test -> train (light checkpoints) -> resume -> sample -> eval, and a changed base refused.
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import eval as E
+import sample as S
+from configurator import config_of, parse_overrides
+from conftest import ROOT
+from test_train import tiny_llama_and_docs, train_in_process
+
+
+def test_smoke_train_resume_sample_eval_with_light_checkpoints(tmp_path, capsys):
+    ck, docs = tiny_llama_and_docs(tmp_path)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "load_llama.py"), str(ck), "--prompt=the thing", "--max_new_tokens=4"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and "loaded" in r.stdout and "'the thing' ->" in r.stdout, r.stdout + r.stderr
+    common = [f"--init_from={ck}", "--train=cross", "--task=lm", f"--data_dir={docs}", "--n_lower=1", "--chunk_size=32",
+              "--n_chunks=2", "--chunk_schedule=", "--beta_schedule=", "--block_size=32", "--batch_size=2", "--max_iters=4",
+              "--eval_interval=2", "--eval_iters=1", "--eval_chunks=2", "--final_eval_chunks=", "--context_dropout=0",
+              "--noise=5", "--warmup_iters=1", "--device=cpu", "--log_interval=1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    train_in_process(common + [f"--out_dir={full}"], tmp_path)
+    train_in_process(common + [f"--out_dir={part}", "--stop_iter=2"], tmp_path)
+    train_in_process(common + [f"--out_dir={part}", "--init_from=resume"], tmp_path)
+    a, b = (torch.load(d / "ckpt.pt", weights_only=True) for d in (full, part))
+    assert a["iter_num"] == b["iter_num"] == 4 and a["base"]["path"] == str(ck) and len(a["base"]["sha256"]) == 64
+    assert sorted(a["model"]) == ["upper.layers.0.cross_attention.wo.weight", "upper.layers.0.cross_attention.wq.weight",
+                                  "upper.layers.0.cross_norm.weight"]          # light: only what trains
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k                   # resume is exact
+    out = capsys.readouterr().out
+    assert "memory estimate: weights" in out and "eval iter 4: lm_loss@2" in out
+
+    text = (docs / "3.txt").read_text()
+    cfg = parse_overrides([f"--init_from={part}", f"--context={text[:1500]}", "--prompt=w17 x3 w24", "--max_new_tokens=5"],
+                          config_of(vars(S)), S.__file__)
+    assert len(S.main(cfg)) == 5
+    cfg = parse_overrides([f"--init_from={part}", "--task=ppl", "--max_windows=4"], config_of(vars(E)), E.__file__)
+    res = E.main(cfg)                       # data_dir, C and T come from the checkpoint; default lengths that fit
+    out = capsys.readouterr().out
+    assert [r["n_chunks"] for r in res] == [2, 8, 32] and "chunk counts [128] left out: the longest validation document has" in out
+    assert res[0]["scored_per_window"] == 16 and res[0]["x_d_tokens"] == 32    # K = T // 2 when X_D is short of 512
+    with pytest.raises(SystemExit, match="the longest has"):
+        E.main(parse_overrides([f"--init_from={part}", "--task=ppl", "--chunks=256"], config_of(vars(E)), E.__file__))
+
+    c = json.load(open(ck / "config.json"))                                  # the base changes under the checkpoint
+    json.dump({**c, "rms_norm_eps": 1e-6}, open(ck / "config.json", "w"))
+    with pytest.raises(SystemExit, match="those files have changed since"):
+        S.main(cfg)
+    with pytest.raises(SystemExit, match="those files have changed since"):
+        train_in_process(common + [f"--out_dir={part}", "--init_from=resume", "--max_iters=6"], tmp_path)
