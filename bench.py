@@ -51,6 +51,8 @@ seed = 1337
 def sync(dev):
     if dev.startswith("cuda"):
         torch.cuda.synchronize()
+    elif dev == "mps":
+        torch.mps.synchronize()
 
 
 def reset_peak(dev):

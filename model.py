@@ -440,15 +440,21 @@ def injection_layers(n_layers, m, where):
     return [(j + 1) * stride - 1 for j in range(m)]
 
 
+def to_device(values, device):
+    # a small index list made on the host, sent without waiting for the device: torch.tensor(values, device="cuda")
+    # would first wait for all queued GPU work (a host sync per tree level and per encoding call)
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
 def gather_spans(rows, row_ids, spans):
     # rows: (R0, C) token ids; spans[i] = (start, end) inside rows[row_ids[i]]. Returns (R, L) tokens right-padded
     # by repeating each span's last token (harmless: every consumer is causal and reads only real positions),
     # and the index of each span's last real token.
     dev = rows.device
-    starts = torch.tensor([s for s, _ in spans], device=dev)
-    lens = torch.tensor([e - s for s, e in spans], device=dev)
-    cols = starts[:, None] + torch.minimum(torch.arange(int(lens.max()), device=dev)[None], lens[:, None] - 1)
-    return rows[torch.as_tensor(row_ids, device=dev)].gather(1, cols), lens - 1
+    lens = [e - s for s, e in spans]
+    starts, lens_t = to_device([s for s, _ in spans], dev), to_device(lens, dev)
+    cols = starts[:, None] + torch.minimum(torch.arange(max(lens), device=dev)[None], lens_t[:, None] - 1)
+    return rows[to_device(row_ids, dev)].gather(1, cols), lens_t - 1
 
 
 class SharedLLM(nn.Module):
@@ -517,12 +523,12 @@ class SharedLLM(nn.Module):
                 groups.setdefault(store[r, a][0], []).append((j, store[r, a][1]))
             parts, order = [], []
             for bi, items in groups.items():
-                at = torch.tensor([i for _, i in items], device=rows.device)
+                at = to_device([i for _, i in items], rows.device)
                 parts.append([F.pad(t[:, :, :L].index_select(0, at), (0, 0, 0, max(0, L - t.shape[2]))) for t in batches[bi]])
                 order += [j for j, _ in items]
             if len(parts) == 1:   # one source batch: already in span order
                 return parts[0]
-            back = torch.tensor(order, device=rows.device).argsort()          # rows back into span order
+            back = to_device(order, rows.device).argsort()                    # rows back into span order
             return [torch.cat(ts)[back] for ts in zip(*parts)]
 
         query_len = None if query_len is None else torch.as_tensor(query_len).cpu()   # the tree reads it on the host
@@ -558,7 +564,7 @@ class SharedLLM(nn.Module):
             step = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
             for sel in (at_level[i:i + step] for i in range(0, len(at_level), step)):
                 tokens, _ = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
-                keep = torch.tensor([tree.keep_index(len(nd), nd.kept, s.keep) for _, nd in sel], device=rows.device)
+                keep = to_device([tree.keep_index(len(nd), nd.kept, s.keep) for _, nd in sel], rows.device)
                 with grad:
                     kv0 = None if store is None else layer0_kv([(r, nd.start, nd.end) for r, nd in sel])
                     kvs = low.node_kv(tokens, s.n_lower, keep, kv0)         # n_lower x (R, Hkv, k, hd): the kept KVs
@@ -570,8 +576,8 @@ class SharedLLM(nn.Module):
                     where[r, nd.start] = offset + i * k
                 offset += R * k
         # reorder into (batch, chunk, node in text order, kept KV) and apply chunk-level position ids
-        order = torch.tensor([where[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds for t in range(nd.kept)],
-                             device=rows.device)
+        order = to_device([where[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds for t in range(nd.kept)],
+                          rows.device)
         S = sum(nd.kept for nd in nodes[0])                                   # KVs per chunk, the same for all
         k_pos, q_pos = self.chunk_positions(B, n, rows.device) if s.chunk_ids != "off" else (None, None)
         kv = []

@@ -42,7 +42,7 @@ chunk_size = 0              # C
 height = 0                  # tree height h
 beta = 0                    # compression C / KVs per chunk
 policy = ""                 # "right" | "query"
-device = "auto"             # "auto" = cuda, then mps, then cpu
+device = "auto"             # "auto" = cuda, else cpu ("mps" only when named)
 dtype = "auto"              # "auto" = bfloat16 on CUDA where supported, else float32
 seed = 1337
 # -----------------------------------------------------------------------------

@@ -81,7 +81,7 @@ weight_decay = 0.0
 beta1, beta2 = 0.9, 0.99
 grad_clip = 1.0
 # system
-device = "auto"             # "auto" = cuda, then mps, then cpu
+device = "auto"             # "auto" = cuda, else cpu ("mps" only when named)
 dtype = "auto"              # "auto" = bfloat16 autocast on CUDA where supported, else float32 (never float16 by default);
                             # what trains is always held in float32 (master weights and AdamW state)
 compile = False
@@ -162,11 +162,7 @@ def main():
         except ValueError as e:   # an impossible SharedLLM setting (policy, chunk_ids, M, C / height / beta, ...)
             raise SystemExit(f"train.py: {e}") from None
     set_trainable(raw, train)
-    # Mixed precision the standard way: what trains is held in fp32 (AdamW's step on a bf16 weight is lost whenever it
-    # is below half a bf16 ulp: bf16(0.02 + 1e-5) == 0.02), frozen weights keep their dtype, autocast runs the math
-    for p in raw.parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()
+    master_weights(raw)
     drops_context = context_dropout > 0 and task != "passkey"   # some language-modeling batches come without X_C
     if train == "cross" and drops_context:
         raise SystemExit(f"--context_dropout={context_dropout} with --train=cross: a batch without X_C reaches no trainable "
@@ -349,6 +345,14 @@ def set_trainable(m, which):
         raise SystemExit(f"--train={which}: expected one of {sorted(rules)}")
     for n, p in m.named_parameters():
         p.requires_grad_(rules[which](n))
+
+
+def master_weights(m):
+    # Mixed precision the standard way: what trains is held in fp32 (AdamW's step on a bf16 weight is lost whenever it
+    # is below half a bf16 ulp: bf16(0.02 + 1e-5) == 0.02), frozen weights keep their dtype, autocast runs the math
+    for p in m.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
 
 
 def step_flops(m, n, T):

