@@ -8,6 +8,7 @@ download, on passkey retrieval mixed with language modeling on the Python standa
   python train.py config/llama2_7b_lm.py --init_from=/path/to/Llama-2-7b-hf   # a recipe file, then flags on top
   torchrun --nproc_per_node=2 train.py               # several GPUs (or CPU processes over gloo)
 """
+import json
 import math
 import os
 import random
@@ -280,6 +281,21 @@ def main():
                              "or use --dtype=float32 (nothing was saved after it)")
         return iter_num
 
+    # the run's own log, out_dir/log.jsonl: one JSON line per step log and per evaluation (plots.py draws it). A fresh
+    # run starts it anew; a resumed one keeps the lines up to its checkpoint and goes on from there.
+    log_path = os.path.join(out_dir, "log.jsonl")
+    if master:
+        kept = []
+        if ckpt is not None and os.path.isfile(log_path):
+            kept = [line for line in open(log_path) if json.loads(line)["iter"] <= iter_num]
+        with open(log_path, "w") as f:
+            f.writelines(kept)
+
+    def log(**record):
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    loss_sum, loss_n = {}, {}   # per batch kind, summed on the device between log lines
+
     # -------------------------------------------------------------------------
     # the loop
     peak = peak_flops(dev_type, ptdtype) if master else 1.0
@@ -291,6 +307,7 @@ def main():
             check_finite(checked_at)
             res = evaluate(final_eval_chunks if last and final_eval_chunks else eval_chunks)
             print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
+            log(iter=iter_num, eval=res)
             if not eval_only:
                 save()
             t0 = time.time()   # eval time is not training time
@@ -313,6 +330,8 @@ def main():
             with sync, autocast:
                 _, loss = model(ctx, idx, tgt, ql)
             nonfinite |= ~torch.isfinite(loss.detach())   # on the device: read at the next log line or checkpoint
+            loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
+            loss_n[kind] = loss_n.get(kind, 0) + 1
             (loss / gradient_accumulation_steps).backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -325,9 +344,14 @@ def main():
             t0 = time.time()
             toks = gradient_accumulation_steps * batch_size * world * (n * chunk_size + idx.shape[1])
             flops = step_flops(raw, n, idx.shape[1]) * gradient_accumulation_steps * batch_size
-            print(f"iter {iter_num}: loss {loss.item():.4f}, lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, "
-                  f"{toks / dt_:,.0f} tok/s, mfu {100 * flops / dt_ / peak:.1f}%, chunks {n}, "
-                  f"{(time.time() - t_start) / 60:.1f} min", flush=True)
+            losses = {k: (loss_sum[k] / loss_n[k]).item() for k in loss_sum}   # mean per batch kind since the last line
+            loss_sum, loss_n = {}, {}
+            print(f"iter {iter_num}: loss " + " ".join(f"{v:.4f}" + (f" ({k})" if len(losses) > 1 else "")
+                                                       for k, v in losses.items())
+                  + f", lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, {toks / dt_:,.0f} tok/s, mfu {100 * flops / dt_ / peak:.1f}%, "
+                  f"chunks {n}, {(time.time() - t_start) / 60:.1f} min", flush=True)
+            log(iter=iter_num, loss=losses, lr=lr, ms_per_iter=1000 * dt_, tok_per_s=toks / dt_, mfu=flops / dt_ / peak,
+                chunks=n, beta=raw.scfg.beta, minutes=(time.time() - t_start) / 60)
     if ddp:
         torch.distributed.destroy_process_group()
 
