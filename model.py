@@ -89,9 +89,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalise in fp32, cast back, then scale (the same order as HF, so bf16 results agree too)
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        # x * rsqrt(mean(x^2) + eps) in fp32 (one fused op), cast back, then scale: the same order as HF, so bf16
+        # results agree too
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 # RoPE. Pairs can be formed two ways: Meta's original checkpoints rotate interleaved pairs (x0,x1),(x2,x3)...
@@ -333,24 +333,36 @@ class Llama(nn.Module):
         cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
         return self.layers[0].attention.kv(self.layers[0].attention_norm(self.tok_embeddings(idx)), cos, sin)
 
-    def retrieval_vec(self, idx, last, kv=None):
-        # The vector the `query` policy compares: first layer (attention + MLP) then the final norm, at
-        # position last[r] of each row of idx (R, L). Rows may be right-padded: the model is causal.
-        # Only that one position's output is needed: every position's K and V (kv = layer0_kv(idx), or a longer
-        # span's from the same start: a causal model gives a prefix the same K/V), and position last[r] alone
-        # gets its query, attention and MLP. This costs a few % of a full first-layer pass.
-        R = idx.shape[0]
-        layer, att, row = self.layers[0], self.layers[0].attention, torch.arange(R, device=idx.device)
+    def token_kv(self, idx):
+        # The first layer's K before RoPE, and V, of every token of idx (...): (..., Hkv, hd) each. The first layer reads
+        # the embedding, so these depend on the token alone; only K's rotation depends on where a sequence starts.
+        att = self.layers[0].attention
+        x = self.layers[0].attention_norm(self.tok_embeddings(idx))
+        return [w(x).unflatten(-1, (att.n_kv_heads, att.head_dim)) for w in (att.wk, att.wv)]
+
+    def retrieval_vec(self, idx, ends, starts=None, kv=None):
+        # The vector the `query` policy compares: first layer (attention + MLP) then the final norm, at the last
+        # position of a span, the span read as a sequence of its own. idx (R, L): token rows; ends, starts (R, S): S
+        # spans [start, end] per row (inclusive; starts None = 0) -> (R, S, dim).
+        # Only that one position's output is needed, so only it gets a query, attention and MLP: a few % of a first-
+        # layer pass. RoPE is relative, so a span inside a row sees the same scores as on its own when its keys are
+        # rotated at their row positions and its query at `end`: one rotation of the row's keys serves every span.
+        # kv: the first layer's K (rotated at 0..L-1), V of the rows (R, Hkv, L, hd), if already computed.
+        R, S = ends.shape
+        layer, att = self.layers[0], self.layers[0].attention
         k, v = self.layer0_kv(idx) if kv is None else kv                      # (R, Hkv, L, hd)
-        x = self.tok_embeddings(idx[row, last])                                 # (R, dim)
-        cos, sin = self.rope(last)                                              # (R, hd)
-        q = att.wq(layer.attention_norm(x)).view(R, att.n_kv_heads, -1, att.head_dim)   # (R, Hkv, Hq/Hkv, hd)
-        q = apply_rope(q, cos[:, None, None], sin[:, None, None])
-        # one query per row: a plain masked softmax over that row's keys up to `last`, in fp32
-        s = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(att.head_dim)  # (R, Hkv, Hq/Hkv, L)
-        s = s.masked_fill((torch.arange(k.shape[2], device=idx.device) > last[:, None])[:, None, None], float("-inf"))
-        y = (s.softmax(dim=-1) @ v.float()).to(x.dtype).reshape(R, -1)          # (R, Hq*hd), heads in order
-        x = x + att.wo(y)                                                       # (R, dim)
+        x = self.tok_embeddings(idx.gather(1, ends))                            # (R, S, dim)
+        cos, sin = self.rope(ends)                                              # (R, S, hd)
+        q = att.wq(layer.attention_norm(x)).view(R, S, att.n_kv_heads, -1, att.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos[:, None, :, None], sin[:, None, :, None])        # (R, Hkv, S, Hq/Hkv, hd)
+        # one query per span: a plain softmax over its own keys, in fp32
+        s = (q.float().flatten(2, 3) @ k.float().transpose(-2, -1)).unflatten(2, q.shape[2:4])   # (R, Hkv, S, G, L)
+        pos = torch.arange(k.shape[2], device=idx.device)
+        lo = 0 if starts is None else starts[..., None]
+        outside = (pos > ends[..., None]) | (pos < lo)                          # (R, S, L)
+        s = s.masked_fill(outside[:, None, :, None], float("-inf")) / math.sqrt(att.head_dim)
+        y = (s.softmax(dim=-1).flatten(2, 3) @ v.float()).unflatten(2, q.shape[2:4])   # (R, Hkv, S, G, hd)
+        x = x + att.wo(y.permute(0, 2, 1, 3, 4).reshape(R, S, -1).to(x.dtype))      # heads in order
         return self.norm(x + layer.feed_forward(layer.ffn_norm(x)))
 
     @torch.no_grad()
@@ -449,12 +461,13 @@ def to_device(values, device):
 def gather_spans(rows, row_ids, spans):
     # rows: (R0, C) token ids; spans[i] = (start, end) inside rows[row_ids[i]]. Returns (R, L) tokens right-padded
     # by repeating each span's last token (harmless: every consumer is causal and reads only real positions),
-    # and the index of each span's last real token.
-    dev = rows.device
+    # the index of each span's last real token, and the (R, L) positions of those tokens in rows.flatten().
+    dev, C = rows.device, rows.shape[1]
     lens = [e - s for s, e in spans]
-    starts, lens_t = to_device([s for s, _ in spans], dev), to_device(lens, dev)
-    cols = starts[:, None] + torch.minimum(torch.arange(max(lens), device=dev)[None], lens_t[:, None] - 1)
-    return rows[to_device(row_ids, dev)].gather(1, cols), lens_t - 1
+    starts = to_device([r * C + s for r, (s, _) in zip(row_ids, spans)], dev)
+    lens_t = to_device(lens, dev)
+    at = starts[:, None] + torch.minimum(torch.arange(max(lens), device=dev)[None], lens_t[:, None] - 1)
+    return rows.reshape(-1)[at], lens_t - 1, at
 
 
 class SharedLLM(nn.Module):
@@ -507,29 +520,13 @@ class SharedLLM(nn.Module):
         rows = context.reshape(B * n, C)                                # one tree per (batch item, chunk)
         frozen = not any(p.requires_grad for p in self.lower_parameters())
         grad = torch.no_grad() if frozen else nullcontext()            # else the caller's mode (eval: no_grad)
-        decide, store, batches = None, None, []   # query policy: see `store` below
+        decide, tok_kv = None, None   # query policy: the first layer's K/V of every context token (below)
 
-        def layer0_kv(spans):
-            # -> the first layer's K, V of each span (row, start, end) as its own sequence, right-padded (never read:
-            # causal): (R, Hkv, L, hd) each. Only what the store lacks is computed (one batched call); the rest are
-            # rows of earlier batches, gathered a batch at a time.
-            todo = [sp for sp in spans if sp[:2] not in store or store[sp[:2]][2] < sp[2] - sp[1]]
-            if todo:
-                tokens, _ = gather_spans(rows, [r for r, _, _ in todo], [(a, b) for _, a, b in todo])
-                batches.append(low.layer0_kv(tokens))
-                store.update({(r, a): (len(batches) - 1, i, b - a) for i, (r, a, b) in enumerate(todo)})
-            L, groups = max(b - a for _, a, b in spans), {}
-            for j, (r, a, _) in enumerate(spans):
-                groups.setdefault(store[r, a][0], []).append((j, store[r, a][1]))
-            parts, order = [], []
-            for bi, items in groups.items():
-                at = to_device([i for _, i in items], rows.device)
-                parts.append([F.pad(t[:, :, :L].index_select(0, at), (0, 0, 0, max(0, L - t.shape[2]))) for t in batches[bi]])
-                order += [j for j, _ in items]
-            if len(parts) == 1:   # one source batch: already in span order
-                return parts[0]
-            back = to_device(order, rows.device).argsort()                    # rows back into span order
-            return [torch.cat(ts)[back] for ts in zip(*parts)]
+        def layer0_kv(at):
+            # the first layer's K (rotated to positions 0..L-1) and V of the spans laid out as `at` (R, L) from
+            # gather_spans, taken from tok_kv: (R, Hkv, L, hd) each. Nothing is projected again.
+            k, v = (t[at].transpose(1, 2) for t in tok_kv)                      # (R, Hkv, L, hd)
+            return apply_rope(k, *low.rope(torch.arange(at.shape[1], device=at.device))), v
 
         query_len = None if query_len is None else torch.as_tensor(query_len).cpu()   # the tree reads it on the host
         if s.policy == "query" and query_len is not None and bool((query_len > 0).any()):
@@ -538,19 +535,23 @@ class SharedLLM(nn.Module):
             no_query = (query_len == 0).repeat_interleave(n).tolist()  # these rows go right
             with torch.no_grad():
                 last = (query_len - 1).clamp(min=0).to(idx.device)
-                q = self.upper.retrieval_vec(idx, last).repeat_interleave(n, dim=0)  # (B*n, dim)
-            # The first layer's K/V of every span the search looks at, kept for the encoding below: a preserved
-            # child's K/V are its encoding's, and a left child (a prefix of its parent) reuses its parent's.
-            store = {}        # (row, start) -> (batch, row in it, length): the first layer's K/V of that span
+                q = self.upper.retrieval_vec(idx, last[:, None])[:, 0].repeat_interleave(n, dim=0)  # (B*n, dim)
+            # The first layer's K/V depend on each token alone (its embedding, normed and projected); only K's rotation
+            # depends on where a span starts. So every context token is projected once, here: the search reads the
+            # keys rotated once at their chunk positions (RoPE is relative: a span sees the same scores there as on
+            # its own), and the encoding takes each node's rows and rotates them to the node's own positions.
+            with grad:
+                tok_kv = low.token_kv(rows.reshape(-1))                            # (B*n*C, Hkv, hd) each
+            with torch.no_grad():
+                kv_rows = [t.view(B * n, C, *t.shape[1:]).transpose(1, 2) for t in tok_kv]   # (B*n, Hkv, C, hd)
+                kv_rows[0] = apply_rope(kv_rows[0], *low.rope(torch.arange(C, device=rows.device)))
 
             def decide(level, lefts, rights):   # each chunk compares the query with ITS OWN two children
-                spans = [(r, a, b) for r, (a, b) in zip([*range(B * n)] * 2, lefts + rights)]
-                tokens, last = gather_spans(rows, [r for r, _, _ in spans], [(a, b) for _, a, b in spans])
-                with grad:
-                    kv = layer0_kv(spans)
+                ends = to_device([[l_end - 1, r_end - 1] for (_, l_end), (_, r_end) in zip(lefts, rights)], rows.device)
+                starts = to_device([[l_start, r_start] for (l_start, _), (r_start, _) in zip(lefts, rights)], rows.device)
                 with torch.no_grad():   # both children of every tree in one batched call; no gradient in the choice
-                    h_left, h_right = low.retrieval_vec(tokens, last, kv).chunk(2)
-                closer = (F.cosine_similarity(q, h_right, dim=-1) > F.cosine_similarity(q, h_left, dim=-1)).tolist()
+                    h = low.retrieval_vec(rows, ends, starts, kv_rows)                  # (B*n, 2, dim)
+                closer = (F.cosine_similarity(q, h[:, 1], dim=-1) > F.cosine_similarity(q, h[:, 0], dim=-1)).tolist()
                 return [r or nq for r, nq in zip(closer, no_query)]
         nodes = tree.search(B * n, C, s.height, s.beta, decide, s.noise if self.training else 0.0)
 
@@ -563,10 +564,10 @@ class SharedLLM(nn.Module):
             at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
             step = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
             for sel in (at_level[i:i + step] for i in range(0, len(at_level), step)):
-                tokens, _ = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
+                tokens, _, at = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
                 keep = to_device([tree.keep_index(len(nd), nd.kept, s.keep) for _, nd in sel], rows.device)
                 with grad:
-                    kv0 = None if store is None else layer0_kv([(r, nd.start, nd.end) for r, nd in sel])
+                    kv0 = None if tok_kv is None else layer0_kv(at)
                     kvs = low.node_kv(tokens, s.n_lower, keep, kv0)         # n_lower x (R, Hkv, k, hd): the kept KVs
                 R, k = keep.shape
                 for j, kv in enumerate(kvs):

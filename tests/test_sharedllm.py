@@ -188,7 +188,7 @@ def test_query_policy_pairs_each_chunk_with_its_own_children():
     idx[:, -1] = Q
     for b in range(2):
         ctx[b, 0, 31], ctx[b, 1, 63], ctx[b, 2, 31] = Q, Q, Q
-    s.upper.retrieval_vec = lambda tokens, last, kv=None: torch.nn.functional.one_hot(tokens[torch.arange(len(last)), last], V).float()
+    s.upper.retrieval_vec = lambda tokens, ends, starts=None, kv=None: torch.nn.functional.one_hot(tokens.gather(1, ends), V).float()
     mem = s.compress(ctx, idx, torch.full((2,), idx.shape[1]))
     for r, nds in enumerate(mem.nodes):
         preserved = [(nd.start, nd.end) for nd in nds if nd.level == 1][0]
@@ -266,17 +266,24 @@ def test_compress_under_no_grad_keeps_no_graph():
 
 
 def test_retrieval_vec_is_the_first_layer_at_the_last_position():
-    # the query policy's vector computes only one position's query/attention/MLP: it must equal the full first layer
+    # the query policy's vector computes only one position's query/attention/MLP: it must equal the full first layer,
+    # and a span inside a row (keys rotated at their row positions) must read exactly as that span on its own
     torch.manual_seed(0)
     m = M.Llama(M.preset("tiny", n_layers=2)).eval()                # GQA: 4 query heads over 2 KV heads
     idx, last = torch.randint(0, 258, (6, 50)), torch.tensor([49, 0, 10, 33, 7, 25])
+    first_layer = lambda x: m.norm(m.layers[0](m.tok_embeddings(x), *m.rope(torch.arange(x.shape[1]))))
     with torch.no_grad():
-        cos, sin = m.rope(torch.arange(50))
-        full = m.norm(m.layers[0](m.tok_embeddings(idx), cos, sin))[torch.arange(6), last]
-        assert (m.retrieval_vec(idx, last) - full).abs().max() < 2e-6
+        full = first_layer(idx)[torch.arange(6), last]
+        assert (m.retrieval_vec(idx, last[:, None])[:, 0] - full).abs().max() < 2e-6
         pad = idx.clone()
         pad[2, 11:] = 0                                                        # what follows `last` is never read
-        assert (m.retrieval_vec(pad, last)[2] - m.retrieval_vec(idx, last)[2]).abs().max() < 2e-6
+        assert (m.retrieval_vec(pad, last[:, None])[2] - m.retrieval_vec(idx, last[:, None])[2]).abs().max() < 2e-6
+        starts, ends = torch.tensor([[0, 20], [5, 6], [30, 31]]), torch.tensor([[19, 49], [5, 40], [30, 45]])
+        h = m.retrieval_vec(idx[:3], ends, starts)                            # two spans per row: (3, 2, dim)
+        for r in range(3):
+            for j in range(2):
+                alone = first_layer(idx[r:r + 1, starts[r, j]:ends[r, j] + 1])[0, -1]
+                assert (h[r, j] - alone).abs().max() < 1e-5, (r, j)
 
 
 @pytest.mark.parametrize("policy", ["right", "query"])
