@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import data
+import plots
 from configurator import auto_device, config_of, package_path, parse_overrides
 from load_llama import load_sharedllm
 
@@ -50,6 +51,7 @@ policy = ""                 # "right" (retrieval off) | "query"
 chunk_ids = ""              # "plain" | "clamp" | "off" ("random" is read like plain: at inference they are the same)
 max_chunk_dist = 0          # "clamp": the largest chunk distance; 0 = the checkpoint's own (else its n_chunks)
 keep = ""                   # "last" | "first" token of each stride window
+logn_scale = ""             # "on" | "off": log-n query scaling beyond the trained number of chunks; "" = as trained
 compare = ""                # ablations: more rows from other checkpoints, "label=out_dir;label=out_dir" (noise off, M)
 n_lower = 0                 # M (LLaMA-2 folder only)
 chunk_size = 0              # C (LLaMA-2 folder only)
@@ -192,19 +194,7 @@ def run_passkey(model, tok, ns, C, g, dev, quiet=False):
             inside = [n for n in ns if (n, ds[0]) in full]
             print(f"full attention by the base model over the same haystacks (within its window of {window:,} tokens):")
             print(heatmap(full, inside, ds, C))
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-            a = np.array([[grid[n, d] for n in ns] for d in ds])
-            plt.imshow(a, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-            plt.xticks(range(len(ns)), [f"{n * C}" for n in ns]), plt.yticks(range(len(ds)), ds)
-            plt.xlabel("context tokens"), plt.ylabel("depth"), plt.colorbar(label="exact match")
-            path = (g["out"] or "passkey.json").rsplit(".", 1)[0] + ".png"
-            plt.savefig(path, dpi=100)
-            print(f"heatmap image: {path}")
-        except ImportError:
-            pass
+        plots.passkey_heatmap((g["out"] or "passkey.json").rsplit(".", 1)[0] + ".png", grid, ns, ds, C)
     return res
 
 
@@ -212,6 +202,7 @@ def run_passkey(model, tok, ns, C, g, dev, quiet=False):
 ABLATIONS = [("SharedLLM (as trained)", {}), ("height 2", {"height": 2}), ("height 4", {"height": 4}),
              ("beta 1", {"beta": 1}), ("beta 4", {"beta": 4}), ("beta 16", {"beta": 16}),
              ("retrieval off (policy right)", {"policy": "right"}), ("chunk ids off", {"chunk_ids": "off"}),
+             ("chunk ids plain (no clamp)", {"chunk_ids": "plain"}), ("log-n scaling off", {"logn_scale": False}),
              ("first of window", {"keep": "first"})]
 
 
@@ -270,8 +261,12 @@ def main(g):
         raise SystemExit(f"eval.py: --task={g['task']}: expected ppl, passkey or ablations")
     if g["chunk_ids"] not in ("", "plain", "clamp", "random", "off"):
         raise SystemExit(f"eval.py: --chunk_ids={g['chunk_ids']}: expected plain, clamp, random or off")
+    if g["logn_scale"] not in ("", "on", "off"):
+        raise SystemExit(f"eval.py: --logn_scale={g['logn_scale']}: expected on or off")
     shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "n_lower", "chunk_size", "chunk_ids",
                                 "max_chunk_dist") if g[k]}
+    if g["logn_scale"]:
+        shared["logn_scale"] = g["logn_scale"] == "on"
     torch.manual_seed(g["seed"])
     try:
         model, tok, train_cfg = load_sharedllm(package_path(g["init_from"]), dev, getattr(torch, dt), **shared)

@@ -218,14 +218,18 @@ class CrossAttention(nn.Module):
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, k, v, q_rope):
-        # x: (B, T, dim); k, v: (B, Hkv, S, hd) for S compressed KVs; q_rope: (cos, sin) at chunk position n, or None
+    def queries(self, x, q_rope, scale=1.0):
+        # x: (B, T, dim) -> (B, Hq, T, hd), rotated to chunk position n (q_rope: its cos, sin) unless chunk ids are off,
+        # and scaled by Memory.q_scale (1 within the trained length)
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # (B, Hq, T, hd)
-        if q_rope is not None:
-            q = apply_rope(q, *q_rope)
-        y = attention(q, k, v, causal=False)   # the context precedes all of X_D: no mask
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        q = q if q_rope is None else apply_rope(q, *q_rope)
+        return q if scale == 1.0 else q * scale
+
+    def forward(self, x, k, v, q_rope, scale=1.0):
+        # x: (B, T, dim); k, v: (B, Hkv, S, hd) for S compressed KVs
+        y = attention(self.queries(x, q_rope, scale), k, v, causal=False)   # the context precedes all of X_D: no mask
+        return self.wo(y.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
 class FeedForward(nn.Module):
@@ -290,7 +294,7 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             xkv = None
             if memory is not None and layer.cross_attention is not None:
-                xkv = (*memory.kv[layer.cross_src], q_rope)
+                xkv = (*memory.kv[layer.cross_src], q_rope, memory.q_scale)
             args = (x, cos, sin, start_pos, None if caches is None else caches[i], xkv)
             if self.checkpointing and self.training:   # recompute activations in backward: memory for time
                 x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
@@ -415,7 +419,9 @@ class SharedConfig:
                               # chunk at that largest distance: no query-key distance beyond what training saw);
                               # "random" (plain at inference; in training each sample's chunks sit at sorted random
                               # ids up to max_chunk_id, the queries right after the last one); or "off" (the ablation)
-    max_chunk_dist: int = 4   # "clamp": the largest chunk distance a query sees (train.py: its n_chunks)
+    max_chunk_dist: int = 4   # "clamp": the largest chunk distance a query sees; logn_scale: the trained n (train.py:
+                              # its n_chunks)
+    logn_scale: bool = True   # beyond max_chunk_dist chunks, scale cross-attention queries by log(keys)/log(trained keys)
     max_chunk_id: int = 1024  # "random": the largest id drawn in training, so the longest context that stays in
                               # distribution is max_chunk_id chunks
     inject: str = "bottom"    # which upper layers cross-attend: "bottom" M, "top" M, or "interleaved" every N/M
@@ -440,6 +446,7 @@ class Memory:
     kv: list                  # per lower layer j: (K, V), each (B, Hkv, n*S, hd); S = KVs kept per chunk
     q_pos: torch.Tensor       # (B,) the chunk-level position of every X_D query (n for plain ids), or None: no ids
     nodes: list = field(default_factory=list)   # per (batch item, chunk): the preserved tree.Nodes
+    q_scale: float = 1.0      # the cross-attention queries' scale (SharedConfig.logn_scale)
 
 
 def injection_layers(n_layers, m, where):
@@ -587,7 +594,13 @@ class SharedLLM(nn.Module):
             if k_pos is not None:   # keys of chunk i at its chunk position, on top of their node-local rotation (Eq. 2)
                 K = apply_rope(K, *[t[:, None] for t in self.upper.rope(k_pos.repeat_interleave(S, dim=1))])
             kv.append((K, V))
-        return Memory(kv, q_pos, nodes)
+        q_scale = 1.0
+        if s.logn_scale and n > s.max_chunk_dist:
+            # more keys than training ever showed: sharpen the softmax by log(keys) / log(keys at the trained length),
+            # so that the few keys that matter keep their weight against many more (attention entropy as trained:
+            # Chiang & Cholak 2022; Qwen's log-n scaling). Within the trained length: exactly 1, the paper's attention.
+            q_scale = math.log(n * S) / math.log(max(2, s.max_chunk_dist * S))
+        return Memory(kv, q_pos, nodes, q_scale)
 
     def chunk_positions(self, B, n, device):
         # -> keys' chunk ids (B, n) and the queries' id (B,). Plain (and "random" at inference): 0..n-1 and n.

@@ -5,6 +5,7 @@ is decoded token by token with the KV cache, streamed as it comes.
 
   python sample.py                                        # after python train.py: a fresh passkey haystack
   python sample.py --n_chunks=16 --show_tree=True         # a longer haystack, and what each tree kept
+  python sample.py --plot=arch.png --attention=attn.png  # pictures: the method on this haystack, where the answer looks
   python sample.py --context=FILE:notes.txt --prompt="Q: ..." --max_new_tokens=64
   python sample.py --init_from=/path/to/Llama-2-7b-hf --n_lower=4 --chunk_size=1024 --context=FILE:book.txt ...
 """
@@ -18,6 +19,7 @@ import time
 import torch
 
 import data
+import plots
 import tree
 from configurator import auto_device, config_of, package_path, parse_overrides
 from load_llama import load_sharedllm
@@ -36,6 +38,10 @@ top_k = 0                   # 0 = off
 top_p = 1.0                 # 1.0 = off
 show_tree = False           # print, per chunk, the path the query took and what each preserved node kept (past 8
                             # chunks: the first two, the key's and the last two)
+plot = ""                   # write a picture of the method on this context here (PNG): the chunks, the context tree of
+                            # the key's chunk (else the last) with its kept KVs, the lower and upper models
+attention = ""              # write the cross-attention weights of the answer's first token over every compressed KV
+                            # here (PNG), per layer and head, the key's chunk and node marked; the text form is printed
 # SharedLLM settings at inference (0 / "" = as trained; for a LLaMA-2 folder, model.SharedConfig's defaults)
 n_lower = 0                 # M (LLaMA-2 folder only: a checkpoint's M is fixed by its cross-attention layers)
 chunk_size = 0              # C
@@ -74,6 +80,42 @@ def tree_path(nodes, C):
         path.append("right" if went_right else "left")
         lo, hi = (nd.end, hi) if went_right else (lo, nd.start)
     return " -> ".join(path + [f"leaves [{lo}, {hi})"])
+
+
+@torch.no_grad()
+def cross_attention_picture(model, memory, idx, path, key_chunk, key_at):
+    # The weights with which the last prompt token (the one that predicts the answer's first token) reads every
+    # compressed KV, in every cross-attention layer: softmax(q k^T / sqrt(hd)) from the layer's own queries, captured
+    # in a forward pass over the prompt. Printed as text; drawn when matplotlib is there.
+    inputs, hooks = {}, []
+    for i, blk in enumerate(model.upper.layers):
+        if blk.cross_attention is not None:
+            hooks.append(blk.cross_attention.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a)))
+    model.upper(idx, memory=memory)
+    for h in hooks:
+        h.remove()
+    S = sum(nd.kept for nd in memory.nodes[0])                          # compressed KVs per chunk
+    weights = []
+    for i, (x, k, v, q_rope, scale) in sorted(inputs.items()):
+        ca = model.upper.layers[i].cross_attention
+        q = ca.queries(x[:1, -1:], None if q_rope is None else [t[:1, :, -1:] for t in q_rope], scale)[0, :, 0]   # (Hq, hd)
+        k = k[0].repeat_interleave(q.shape[0] // k.shape[1], dim=0)                               # (Hq, n*S, hd)
+        weights.append(((k.float() @ q.float()[:, :, None])[..., 0] / q.shape[-1] ** 0.5).softmax(-1))   # (Hq, n*S)
+    key_kvs = []
+    if key_chunk is not None:   # the KVs of the node that holds the key's first mention
+        start = key_chunk * S
+        for nd in memory.nodes[key_chunk]:
+            if nd.start <= key_at < nd.end:
+                key_kvs = list(range(start, start + nd.kept))
+            start += nd.kept
+    for j, w in enumerate(weights):
+        top = w.max(0).values.topk(min(3, w.shape[1])).indices.tolist()
+        where = "" if key_chunk is None else ", on the key's chunk per head " + \
+            " ".join(f"{m:.2f}" for m in w[:, key_chunk * S:(key_chunk + 1) * S].sum(1).tolist())
+        print(f"cross-attention layer {j + 1}: the most-read KVs {top} (chunk {', '.join(str(t // S) for t in top)}){where}")
+    title = f"the answer's first token reading {weights[0].shape[1]:,} compressed KVs ({len(weights)} cross-attention layers)"
+    plots.attention(path, [w.tolist() for w in weights], S, key_chunk, key_kvs, title)
+    return weights
 
 
 def main(cfg):
@@ -139,9 +181,17 @@ def main(cfg):
     print(f"context {len(ids):,} tokens = {n} chunks of C = {C} -> {kvs:,} compressed KVs per layer "
           f"(beta {len(ids) / kvs:g}), M = {s.n_lower} layers, height {s.height}, policy {s.policy!r}; "
           f"compressed in {t_compress * 1000:.0f} ms")
+    kid = tok.encode(answer, bos=False) if answer else []
+    at_key = [p for p in range(len(ids) - len(kid) + 1) if kid and ids[p:p + len(kid)] == kid]   # the key's mentions
+    key_chunk = at_key[0] // C if at_key else None
+    if g["plot"]:
+        c = n - 1 if key_chunk is None else key_chunk
+        inject = [i for i, blk in enumerate(model.upper.layers) if blk.cross_attention is not None]
+        plots.architecture(g["plot"], memory.nodes[c], c, n, C, s.keep, s.n_lower, model.upper.cfg.n_layers, inject,
+                           kvs // n, None if key_chunk is None else (at_key[0] % C, at_key[0] % C + len(kid)))
+    if g["attention"]:
+        cross_attention_picture(model, memory, idx, g["attention"], key_chunk, at_key[0] % C if at_key else None)
     if g["show_tree"]:
-        kid = tok.encode(answer, bos=False) if answer else []
-        at_key = [p for p in range(len(ids) - len(kid) + 1) if kid and ids[p:p + len(kid)] == kid]
         shown = set(range(n)) if n <= 8 else {0, 1, n - 2, n - 1} | {p // C for p in at_key[:1]}   # long: a few
         for c, nodes in enumerate(memory.nodes):
             if c not in shown:

