@@ -21,7 +21,8 @@ import torch
 import model as M
 import tree
 from configurator import auto_device, config_of, package_path, parse_overrides, peak_flops
-from load_llama import llama_config, load_sharedllm
+from checkpoint import load_sharedllm
+from load_llama import llama_config
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value

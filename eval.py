@@ -25,7 +25,7 @@ import torch
 import data
 import plots
 from configurator import auto_device, config_of, package_path, parse_overrides
-from load_llama import load_sharedllm
+from checkpoint import load_sharedllm
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value

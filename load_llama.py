@@ -1,7 +1,6 @@
 """
-Loading, without `transformers`: a LLaMA-family checkpoint straight into model.py's Llama (`load_llama`), its
-tokenizer (`load_tokenizer`), a train.py checkpoint safely (`read_checkpoint`), and any of them as a SharedLLM
-with its tokenizer (`load_sharedllm`, what sample.py, eval.py and bench.py start from).
+Loading, without `transformers`: a LLaMA-family checkpoint straight into model.py's Llama (`load_llama`) and its
+tokenizer (`load_tokenizer`). train.py's own checkpoints are checkpoint.py's.
 
 Two formats:
 - a Hugging Face-layout folder (Llama-2-7b-hf, TinyLlama, SmolLM2): config.json; model.safetensors or an index
@@ -16,18 +15,13 @@ that names it as the checkpoint itself spells it.
   python load_llama.py model.gguf --save_hf out_folder    # dequantize once into an HF folder that loads faster
 """
 import argparse
-import hashlib
 import json
 import os
-import pickle
-import re
 import time
-import zipfile
 
 import torch
 from safetensors import safe_open
 
-import model as M
 import tokenizer as T
 from model import Llama, LlamaConfig
 
@@ -308,97 +302,6 @@ def tokenizer_from_spec(spec):
     if kind in ("sentencepiece", "bpe", "tiktoken"):
         return load_tokenizer(spec["path"])
     raise ValueError(f"unknown tokenizer spec {spec!r}; expected kind 'byte', 'gpt2', 'sentencepiece', 'bpe' or 'tiktoken'")
-
-# -----------------------------------------------------------------------------
-# train.py checkpoints, and a SharedLLM from either kind of path
-
-
-def read_checkpoint(path):
-    # A train.py checkpoint holds tensors and plain values only (numbers, strings, lists, tuples, dicts), so it loads
-    # with weights_only=True: a ckpt.pt from someone else cannot run code here. Anything else is refused unread.
-    if not zipfile.is_zipfile(path):
-        raise ValueError(f"{path}: not a readable train.py checkpoint (not a file written by torch.save)")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        why = re.search(r"WeightsUnpickler error:\s*(.+?)(?= Please use|\n|$)", str(e))
-        raise ValueError(f"{path}: refused: it holds objects other than tensors and plain values, and unpickling them "
-                         f"could run arbitrary code ({why.group(1) if why else 'weights_only=True rejects it'})") from None
-    except Exception as e:
-        raise ValueError(f"{path}: not a readable train.py checkpoint ({e.__class__.__name__}: {e})") from None
-
-
-def base_digest(path):
-    # sha256 of a base checkpoint's content (a .gguf file; an HF folder's config.json and weight files): what a light
-    # train.py checkpoint records, so that it is never combined with other weights than those it was trained on
-    files = [path] if path.endswith(".gguf") else [os.path.join(path, "config.json")] + safetensors_files(path)
-    h = hashlib.sha256()
-    for f in files:
-        with open(f, "rb") as fh:
-            while block := fh.read(1 << 24):
-                h.update(block)
-    return h.hexdigest()
-
-
-def sharedllm_from_checkpoint(ck, ckpt_file, dtype=torch.float32):
-    # The SharedLLM of a train.py checkpoint, its tensors in the dtypes they were saved in. A full checkpoint holds
-    # every tensor: the model is built on the meta device (no random init, no memory) and takes them as they are. A
-    # light one (it has "base") holds only what trained: the rest comes from the base checkpoint it names, in `dtype`,
-    # and only if that base is byte for byte the one it was trained on.
-    args, state, base = ck["model_args"], ck["model"], ck.get("base")
-    scfg = M.SharedConfig(**args["shared"])
-    if base:
-        if not os.path.exists(base["path"]):
-            raise FileNotFoundError(f"{ckpt_file}: a light checkpoint (only the trained weights); its base model "
-                                    f"{base['path']} is not there")
-        if base_digest(base["path"]) != base["sha256"]:
-            raise ValueError(f"{ckpt_file}: a light checkpoint trained on {base['path']} with sha256 "
-                             f"{base['sha256'][:16]}...; those files have changed since, and these trained weights "
-                             f"belong to the old ones (retrain, or restore the base)")
-        model = M.SharedLLM(load_llama(base["path"], "cpu", dtype), scfg)
-    else:
-        with torch.device("meta"):
-            model = M.SharedLLM(Llama(LlamaConfig(**args["llama"])), scfg)
-    try:   # assign: the saved tensors themselves (an fp32 master weight stays fp32 over a bf16 base)
-        model.load_state_dict(state, strict=not base, assign=True)
-    except RuntimeError as e:
-        raise ValueError(f"{ckpt_file}: its weights do not fit its own model_args ({e})") from None
-    unknown = set(state) - set(model.state_dict())
-    if unknown:
-        raise ValueError(f"{ckpt_file}: tensors {sorted(unknown)[:3]} are not part of its model")
-    if model.upper.cfg.tie_embeddings:   # assign made the head a Parameter of its own: one tensor again
-        model.upper.output.weight = model.upper.tok_embeddings.weight
-    return model
-
-
-def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
-    # A SharedLLM and its tokenizer from a train.py checkpoint (a ckpt.pt file or the out_dir holding one), or from a
-    # LLaMA folder or .gguf file (untrained cross-attention: exactly the base model until trained). shared: SharedConfig
-    # overrides at inference (height, beta, policy, ...). Returns (model in eval mode, tokenizer, train config).
-    ckpt_file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-    if os.path.isfile(ckpt_file):
-        ck = read_checkpoint(ckpt_file)
-        try:
-            args, train_cfg, spec = ck["model_args"], ck["config"], ck["tokenizer"]
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"{ckpt_file}: not a train.py checkpoint (no {e})") from None
-        if "n_lower" in shared and shared["n_lower"] != args["shared"]["n_lower"]:
-            raise ValueError(f"n_lower (M) = {shared['n_lower']}: {ckpt_file} was trained with M = "
-                             f"{args['shared']['n_lower']} cross-attention layers; M is fixed by the checkpoint")
-        tok = tokenizer_from_spec(spec)
-        model = sharedllm_from_checkpoint(ck, ckpt_file, dtype)
-        model.scfg = M.SharedConfig(**{**args["shared"], **shared})   # inference-time settings only: no new weights
-    elif path.endswith(".gguf") or os.path.isfile(os.path.join(path, "config.json")):
-        tok, train_cfg = load_tokenizer(path), {}
-        model = M.SharedLLM(load_llama(path, "cpu", dtype), M.SharedConfig(**shared))
-    else:
-        raise FileNotFoundError(f"{path}: neither a train.py checkpoint (ckpt.pt) nor a LLaMA folder (config.json) "
-                                "or .gguf file")
-    if tok.vocab_size > model.upper.cfg.vocab_size:
-        raise ValueError(f"{path}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
-                         f"{model.upper.cfg.vocab_size}; the checkpoint and tokenizer do not belong together")
-    return model.to(device=device, dtype=dtype).eval(), tok, train_cfg
-
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="Load a LLaMA-family checkpoint (HF folder or .gguf) and greedy-decode a few "

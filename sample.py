@@ -22,7 +22,7 @@ import data
 import plots
 import tree
 from configurator import auto_device, config_of, package_path, parse_overrides
-from load_llama import load_sharedllm
+from checkpoint import load_sharedllm
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value

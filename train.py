@@ -22,8 +22,8 @@ import torch
 import data
 import model as M
 from configurator import auto_device, config_of, package_path, parse_overrides, peak_flops
-from load_llama import (base_digest, load_llama, load_tokenizer, read_checkpoint, sharedllm_from_checkpoint,
-                        tokenizer_from_spec)
+from checkpoint import base_digest, read_checkpoint, sharedllm_from_checkpoint
+from load_llama import load_llama, load_tokenizer, tokenizer_from_spec
 from tokenizer import ByteTokenizer, GPT2Tokenizer
 
 # -----------------------------------------------------------------------------

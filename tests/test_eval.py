@@ -13,7 +13,7 @@ import eval as E
 import sample as S
 from conftest import ROOT
 from tokenizer import ByteTokenizer
-from load_llama import load_sharedllm
+from checkpoint import load_sharedllm
 from test_train import MICRO, run
 from configurator import config_of, parse_overrides
 
