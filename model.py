@@ -467,14 +467,13 @@ def to_device(values, device):
 
 def gather_spans(rows, row_ids, spans):
     # rows: (R0, C) token ids; spans[i] = (start, end) inside rows[row_ids[i]]. Returns (R, L) tokens right-padded
-    # by repeating each span's last token (harmless: every consumer is causal and reads only real positions),
-    # the index of each span's last real token, and the (R, L) positions of those tokens in rows.flatten().
+    # by repeating each span's last token (harmless: every consumer is causal and reads only real positions), and
+    # the (R, L) positions of those tokens in rows.flatten() (to gather anything kept per context token alike).
     dev, C = rows.device, rows.shape[1]
     lens = [e - s for s, e in spans]
     starts = to_device([r * C + s for r, (s, _) in zip(row_ids, spans)], dev)
-    lens_t = to_device(lens, dev)
-    at = starts[:, None] + torch.minimum(torch.arange(max(lens), device=dev)[None], lens_t[:, None] - 1)
-    return rows.reshape(-1)[at], lens_t - 1, at
+    at = starts[:, None] + torch.minimum(torch.arange(max(lens), device=dev)[None], to_device(lens, dev)[:, None] - 1)
+    return rows.reshape(-1)[at], at
 
 
 class SharedLLM(nn.Module):
@@ -571,7 +570,7 @@ class SharedLLM(nn.Module):
             at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
             step = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
             for sel in (at_level[i:i + step] for i in range(0, len(at_level), step)):
-                tokens, _, at = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
+                tokens, at = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
                 keep = to_device([tree.keep_index(len(nd), nd.kept, s.keep) for _, nd in sel], rows.device)
                 with grad:
                     kv0 = None if tok_kv is None else layer0_kv(at)

@@ -129,6 +129,15 @@ def test_random_chunk_ids_are_plain_at_inference_and_keep_order_in_training():
         build(chunk_ids="random", max_chunk_id=4)[0].train().compress(data(n=5)[0], idx)
 
 
+def decode_stepwise(s, idx, mem, prefill):
+    # the logits of idx (B, T) as cached decoding computes them: prefill the first tokens, then one token at a time
+    caches = s.upper.new_caches(idx.shape[0], idx.shape[1])
+    steps = [s.upper(idx[:, :prefill], caches=caches, memory=mem)[0]]
+    for t in range(prefill, idx.shape[1]):
+        steps.append(s.upper(idx[:, t:t + 1], start_pos=t, caches=caches, memory=mem)[0])
+    return torch.cat(steps, 1)
+
+
 def test_logn_scaling_is_one_within_the_trained_length_and_exact_in_decoding():
     # beyond max_chunk_dist chunks the cross-attention queries are scaled by log(keys) / log(trained keys); within it
     # nothing changes, and the scale is the same in prefill and in cached decoding
@@ -143,11 +152,7 @@ def test_logn_scaling_is_one_within_the_trained_length_and_exact_in_decoding():
         assert S == 16 and mem.q_scale == pytest.approx(math.log(12 * 16) / math.log(3 * 16))
         assert rel_err(on(ctx, idx)[0], off(ctx, idx)[0]) > 1e-3         # it does change long contexts
         full, _ = on.upper(idx, memory=mem)
-        caches = on.upper.new_caches(2, 16)
-        steps = [on.upper(idx[:, :9], caches=caches, memory=mem)[0]]
-        for t in range(9, 16):
-            steps.append(on.upper(idx[:, t:t + 1], start_pos=t, caches=caches, memory=mem)[0])
-    assert rel_err(full, torch.cat(steps, 1)) < 1e-5
+        assert rel_err(full, decode_stepwise(on, idx, mem, 9)) < 1e-5
 
 
 @pytest.mark.parametrize("policy", ["right", "query"])
@@ -158,11 +163,7 @@ def test_cached_decoding_equals_full_forward(policy):
     with torch.no_grad():
         mem = s.compress(ctx, idx[:, :9], qlen)
         full, _ = s.upper(idx, memory=mem)
-        caches = s.upper.new_caches(2, 16)
-        steps = [s.upper(idx[:, :9], caches=caches, memory=mem)[0]]
-        for t in range(9, 16):
-            steps.append(s.upper(idx[:, t:t + 1], start_pos=t, caches=caches, memory=mem)[0])
-    assert rel_err(full, torch.cat(steps, 1)) < 1e-5
+        assert rel_err(full, decode_stepwise(s, idx, mem, 9)) < 1e-5
     out = s.generate(ctx, idx[:, :9], 10, query_len=qlen)            # compress once, prefill, decode
     ref = idx[:, :9]
     with torch.no_grad():
