@@ -334,8 +334,8 @@ class Llama(nn.Module):
 
     def layer0_kv(self, idx):
         # the first layer's K (after RoPE) and V over idx (R, L) at positions 0..L-1: (R, Hkv, L, hd) each
-        cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
-        return self.layers[0].attention.kv(self.layers[0].attention_norm(self.tok_embeddings(idx)), cos, sin)
+        k, v = (t.transpose(1, 2) for t in self.token_kv(idx))
+        return apply_rope(k, *self.rope(torch.arange(idx.shape[1], device=idx.device))), v
 
     def token_kv(self, idx):
         # The first layer's K before RoPE, and V, of every token of idx (...): (..., Hkv, hd) each. The first layer reads
