@@ -14,7 +14,7 @@ import os
 import random
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 
 import torch
@@ -46,7 +46,7 @@ data_dir = ""               # a folder of .txt files (or a glob like dir/*_gut.t
 tokenizer = "byte"          # "byte" | "gpt2" | a tokenizer.model / tokenizer.json path (a LLaMA folder brings its own)
 n_chunks = 4                # n: context chunks per training sample (X_C = n x C tokens)
 chunk_schedule = "1:1000,2:2000"   # curriculum: 1 chunk until iter 1000, 2 until 2000, then n_chunks ("" = off)
-beta_schedule = "2:1000"    # curriculum on compression: beta 2 until iter 1000, then beta ("" = off)
+beta_schedule = "1:300,2:1000"   # curriculum on compression: none (beta 1) until iter 300, beta 2 until 1000, then beta
 block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)
 eval_chunks = "4,16"        # chunk counts evaluated every eval_interval
 final_eval_chunks = "4,16,64,256"   # ... and at the end (32K-token contexts: 64x the training length); "" = eval_chunks
@@ -73,11 +73,13 @@ light_ckpt = True           # from a pretrained folder: checkpoints hold only wh
 # optimizer
 batch_size = 16
 gradient_accumulation_steps = 1
-max_iters = 4000
+max_iters = 5000
 stop_iter = 0               # stop (checkpointed) at this iteration without changing the schedule; 0 = run to max_iters
 learning_rate = 3e-3
 min_lr = 3e-4
 lr_decay_iters = 0          # the cosine reaches min_lr here and stays; 0 = max_iters
+ema_decay = 0.998           # evaluate and save an exponential moving average of the trained weights (half-life ~350
+                            # iterations at 0.998); 0 = off. The raw weights ride along for resume.
 warmup_iters = 50
 weight_decay = 0.0
 beta1, beta2 = 0.9, 0.99
@@ -201,6 +203,33 @@ def main():
         random.setstate(ckpt["tree_rng"])
         torch.set_rng_state(ckpt["torch_rng"])
 
+    # The moving average of what trains (fp32, like the master weights). At a high learning rate the raw weights
+    # hover around a better point than any one of them; evaluations and checkpoints read the average.
+    if not 0 <= ema_decay < 1:
+        raise SystemExit(f"--ema_decay={ema_decay}: expected 0 (off) or a decay in (0, 1), like 0.998")
+    ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
+    if ckpt is not None and "raw" in ckpt:   # the model was built from the average: the raw weights go on training
+        names = {id(p): n for n, p in raw.named_parameters()}
+        with torch.no_grad():
+            for p in params:
+                p.copy_(ckpt["raw"][names[id(p)]])
+
+    @contextmanager
+    def averaged():   # the trained weights replaced by their moving average, and back exactly
+        if ema is None:
+            yield
+            return
+        held = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, e in zip(params, ema):
+                p.copy_(e)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, h in zip(params, held):
+                    p.copy_(h)
+
     def get_lr(it):   # linear warmup, then cosine down to min_lr at lr_decay_iters (default max_iters), then flat
         if it < warmup_iters:
             return learning_rate * (it + 1) / warmup_iters
@@ -263,12 +292,17 @@ def main():
     trained = {n for n, p in raw.named_parameters(remove_duplicate=False) if p.requires_grad}
 
     def save():
-        state = raw.state_dict()
+        state, extra = raw.state_dict(), {}
         if base:   # light: what trains, and the base checkpoint (path and content hash) that holds the rest
             state = {k: v for k, v in state.items() if k in trained}
+        if ema is not None:   # "model" is the average (what eval.py and sample.py read); "raw" is for resume
+            avg = dict(zip(map(id, params), ema))
+            avg = {n: avg[id(p)] for n, p in raw.named_parameters(remove_duplicate=False) if id(p) in avg}
+            extra["raw"] = {n: state[n] for n in avg}
+            state = {**state, **avg}
         ck = dict(model=state, optimizer=optimizer.state_dict(), model_args=model_args, iter_num=iter_num,
                   config=config, tokenizer=tok.spec, rng=[rng.getstate()], tree_rng=random.getstate(),
-                  torch_rng=torch.get_rng_state(), **(dict(base=base) if base else {}))
+                  torch_rng=torch.get_rng_state(), **(dict(base=base) if base else {}), **extra)
         path = os.path.join(out_dir, "ckpt.pt")
         torch.save(ck, path + ".tmp")      # written in full, then renamed: a crash never leaves half a checkpoint
         os.replace(path + ".tmp", path)
@@ -307,7 +341,8 @@ def main():
         last = iter_num >= max_iters or 0 < stop_iter <= iter_num
         if (iter_num % eval_interval == 0 or last) and master and (iter_num > start_iter or eval_only):
             check_finite(checked_at)
-            res = evaluate(final_eval_chunks if last and final_eval_chunks else eval_chunks)
+            with averaged():
+                res = evaluate(final_eval_chunks if last and final_eval_chunks else eval_chunks)
             print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
             log(iter=iter_num, eval=res)
             if not eval_only:
@@ -339,6 +374,10 @@ def main():
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            with torch.no_grad():
+                for e, p in zip(ema, params):
+                    e.lerp_(p, 1 - ema_decay)
         iter_num += 1
         if iter_num % log_interval == 0 and master:
             checked_at = check_finite(checked_at)
@@ -407,6 +446,7 @@ def memory_estimate(m, dt, dev):
         + batch_size * block_size * c.vocab_size * 4 * 2
     kv = batch_size * 2 * s.n_lower * n_chunks * (s.chunk_size // s.beta) * c.n_kv_heads * c.head_dim * abytes
     est = dict(weights=sum(p.numel() * p.element_size() for p in m.parameters()), grads=n_tr * 4, adam=n_tr * 8,
+               ema=n_tr * 4 if ema_decay > 0 else 0,
                activations=act, compressed_kv=kv)
     print("memory estimate: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in est.items())
           + f"; total {sum(est.values()) / 2**30:.1f} GiB on {dev}")

@@ -25,6 +25,7 @@ min_lr = 1e-6
 warmup_iters = 20            # about 1% of the run (Table 6)
 beta2 = 0.999
 max_iters = 2000             # 2000 x 16 x 8K = 262M tokens (the paper: one epoch over 20B)
+ema_decay = 0.0              # the paper's recipe: no weight averaging
 eval_interval = 250
 eval_iters = 4
 eval_chunks = "4"

@@ -25,6 +25,7 @@ learning_rate = 1e-3
 min_lr = 1e-4
 warmup_iters = 20
 max_iters = 300
+ema_decay = 0.0              # the raw weights: 300 steps is shorter than the average's memory
 eval_interval = 300          # one evaluation, at the end
 eval_iters = 8               # windows per chunk count
 eval_chunks = "4,16,64"      # 1K, 4K, 16K context tokens: 16K is twice SmolLM2's 8K window

@@ -26,6 +26,7 @@ learning_rate = 1e-3
 min_lr = 1e-4
 warmup_iters = 50
 max_iters = 3000
+ema_decay = 0.0              # the raw weights, as the README's SmolLM2 numbers were measured
 eval_interval = 500
 eval_iters = 8
 eval_chunks = "8,32"         # 4K and 16K context tokens

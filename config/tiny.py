@@ -1,5 +1,5 @@
 # The default run, written out: `python train.py config/tiny.py` is exactly `python train.py` (a test keeps the two
-# equal). A tiny SharedLLM (234K parameters, byte tokens) from scratch on a CPU in about 5-7 minutes: passkey
+# equal). A tiny SharedLLM (234K parameters, byte tokens) from scratch on a CPU in about 6-9 minutes: passkey
 # retrieval first, then one batch in three is language modeling on the Python standard library's source.
 preset = "tiny"              # dim 64, 4 layers, GQA 4/2 heads
 tokenizer = "byte"
@@ -14,7 +14,7 @@ chunk_schedule = "1:1000,2:2000"   # curriculum: 1 chunk, then 2, then 4
 block_size = 64              # T: X_D
 height = 3
 beta = 8
-beta_schedule = "2:1000"     # light compression first
+beta_schedule = "1:300,2:1000"   # no compression for 300 iterations (retrieval is found early), then light
 policy = "query"             # the passkey question steers each tree; text batches have no query and go right
 noise = 0.0
 chunk_ids = "clamp"          # chunk ids as in the paper for the 4 nearest chunks, older ones all at distance 4
@@ -22,6 +22,7 @@ train = "all"
 batch_size = 16
 learning_rate = 3e-3
 min_lr = 3e-4
-max_iters = 4000
+max_iters = 5000
+ema_decay = 0.998            # evaluate and save the moving average of the weights (see README)
 eval_chunks = "4,16"
 final_eval_chunks = "4,16,64,256"   # at the end: up to 32K context tokens, 64x the training length

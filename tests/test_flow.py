@@ -32,8 +32,9 @@ def test_smoke_train_resume_sample_eval_with_light_checkpoints(tmp_path, capsys)
     assert a["iter_num"] == b["iter_num"] == 4 and a["base"]["path"] == str(ck) and len(a["base"]["sha256"]) == 64
     assert sorted(a["model"]) == ["upper.layers.0.cross_attention.wo.weight", "upper.layers.0.cross_attention.wq.weight",
                                   "upper.layers.0.cross_norm.weight"]          # light: only what trains
+    assert sorted(a["raw"]) == sorted(a["model"])                              # and the raw weights, for resume
     for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k                   # resume is exact
+        assert torch.equal(a["model"][k], b["model"][k]) and torch.equal(a["raw"][k], b["raw"][k]), k   # resume is exact
     out = capsys.readouterr().out
     assert "memory estimate: weights" in out and "eval iter 4: lm_loss@2" in out
 

@@ -126,9 +126,35 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=True)
     b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)
     assert a["iter_num"] == b["iter_num"] == 6
+    assert sorted(a["raw"]) == sorted(a["model"])   # the moving average, and the raw weights that go on training
     for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
+        assert torch.equal(a["model"][k], b["model"][k]) and torch.equal(a["raw"][k], b["raw"][k]), k
     assert not os.path.exists(os.path.join(full, "ckpt.pt.tmp"))
+
+
+def test_checkpoint_holds_the_moving_average(tmp_path):
+    # after one step, "model" = d * w0 + (1 - d) * w1 and "raw" = w1 (w0: the same run at learning rate 0)
+    common = MICRO + ["--max_iters=1", "--ema_decay=0.9"]
+    run(common + ["--learning_rate=0", f"--out_dir={tmp_path / 'w0'}"], tmp_path)
+    run(common + [f"--out_dir={tmp_path / 'w1'}"], tmp_path)
+    w0 = torch.load(tmp_path / "w0" / "ckpt.pt", weights_only=True)["raw"]
+    ck = torch.load(tmp_path / "w1" / "ckpt.pt", weights_only=True)
+    moved = 0
+    for k, w1 in ck["raw"].items():
+        assert torch.allclose(ck["model"][k], 0.9 * w0[k] + 0.1 * w1, rtol=0, atol=1e-7), k
+        moved += not torch.equal(w1, w0[k])
+    assert moved > 10                                    # the step did change the weights
+    # evaluating swaps the average in and the raw weights back exactly: evaluating every step changes nothing
+    common = MICRO + ["--max_iters=3", "--warmup_iters=1"]
+    run(common + ["--eval_interval=1", f"--out_dir={tmp_path / 'every'}"], tmp_path)
+    run(common + ["--eval_interval=100", f"--out_dir={tmp_path / 'end'}"], tmp_path)
+    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("every", "end"))
+    assert all(torch.equal(a["raw"][k], b["raw"][k]) and torch.equal(a["model"][k], b["model"][k]) for k in a["raw"])
+    # off: no average, the checkpoint holds the raw weights of the very same run
+    run(common + ["--eval_interval=100", "--ema_decay=0", f"--out_dir={tmp_path / 'off'}"], tmp_path)
+    off = torch.load(tmp_path / "off" / "ckpt.pt", weights_only=True)
+    assert "raw" not in off and all(torch.equal(off["model"][k], b["raw"][k]) for k in b["raw"])
+    assert "--ema_decay=1.0: expected 0 (off) or a decay in (0, 1)" in run(MICRO + ["--ema_decay=1"], tmp_path, ok=False)
 
 
 def test_llama2_path_on_tiny_random_checkpoint(tmp_path):
@@ -207,7 +233,7 @@ def test_bf16_base_keeps_small_cross_attention_updates(tmp_path, capsys):
               "--chunk_size=32", "--n_chunks=2", "--chunk_schedule=", "--beta_schedule=", "--block_size=32",
               "--batch_size=2", "--max_iters=10", "--eval_interval=10", "--eval_iters=1", "--eval_chunks=2",
               "--final_eval_chunks=", "--context_dropout=0", "--learning_rate=1e-5", "--min_lr=1e-5",
-              "--warmup_iters=0", "--device=cpu", "--log_interval=5"]
+              "--warmup_iters=0", "--ema_decay=0", "--device=cpu", "--log_interval=5"]   # the raw steps
     deltas = {}
     for dt in ("bfloat16", "float32"):
         train_in_process(common + [f"--dtype={dt}", f"--out_dir={tmp_path / dt}"], tmp_path)
