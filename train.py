@@ -119,6 +119,8 @@ def main():
     if dt not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"--dtype={dt}: expected float32 or bfloat16 (or float16)")
     ptdtype = getattr(torch, dt)
+    if not 0 <= ema_decay < 1:
+        raise SystemExit(f"--ema_decay={ema_decay}: expected 0 (off) or a decay in (0, 1), like 0.998")
     autocast = nullcontext() if dt == "float32" else torch.autocast(dev_type, dtype=ptdtype)
     torch.manual_seed(seed + rank)
     rng = random.Random(seed + rank)   # the data stream
@@ -205,14 +207,13 @@ def main():
 
     # The moving average of what trains (fp32, like the master weights). At a high learning rate the raw weights
     # hover around a better point than any one of them; evaluations and checkpoints read the average.
-    if not 0 <= ema_decay < 1:
-        raise SystemExit(f"--ema_decay={ema_decay}: expected 0 (off) or a decay in (0, 1), like 0.998")
     ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
+    # every name of each trained tensor (a tied head has two), for the checkpoint's "model" and "raw"
+    names = [[n for n, q in raw.named_parameters(remove_duplicate=False) if q is p] for p in params]
     if ckpt is not None and "raw" in ckpt:   # the model was built from the average: the raw weights go on training
-        names = {id(p): n for n, p in raw.named_parameters()}
         with torch.no_grad():
-            for p in params:
-                p.copy_(ckpt["raw"][names[id(p)]])
+            for p, ns in zip(params, names):
+                p.copy_(ckpt["raw"][ns[0]])
 
     @contextmanager
     def averaged():   # the trained weights replaced by their moving average, and back exactly
@@ -296,8 +297,7 @@ def main():
         if base:   # light: what trains, and the base checkpoint (path and content hash) that holds the rest
             state = {k: v for k, v in state.items() if k in trained}
         if ema is not None:   # "model" is the average (what eval.py and sample.py read); "raw" is for resume
-            avg = dict(zip(map(id, params), ema))
-            avg = {n: avg[id(p)] for n, p in raw.named_parameters(remove_duplicate=False) if id(p) in avg}
+            avg = {n: e for e, ns in zip(ema, names) for n in ns}
             extra["raw"] = {n: state[n] for n in avg}
             state = {**state, **avg}
         ck = dict(model=state, optimizer=optimizer.state_dict(), model_args=model_args, iter_num=iter_num,
