@@ -394,6 +394,7 @@ def main():
             log(iter=iter_num, loss=losses, lr=lr, ms_per_iter=1000 * dt_, tok_per_s=toks / dt_, mfu=flops / dt_ / peak,
                 chunks=n, beta=raw.scfg.beta, minutes=(time.time() - t_start) / 60)
     if ddp:
+        torch.distributed.barrier()   # the others wait for rank 0's last eval and checkpoint: no rank tears down early
         torch.distributed.destroy_process_group()
 
 

@@ -24,7 +24,7 @@ def run(args, cwd, ok=True, cmd=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run((cmd or [sys.executable, os.path.join(ROOT, "train.py")]) + args, cwd=cwd, env=env,
                        capture_output=True, text=True, timeout=240)
-    assert (r.returncode == 0) == ok, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (r.returncode == 0) == ok, r.stdout[-2000:] + r.stderr[-6000:]   # torchrun's report hides each rank's own error
     return r.stdout + r.stderr
 
 
