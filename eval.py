@@ -202,14 +202,15 @@ def run_passkey(model, tok, ns, C, g, dev, quiet=False):
 ABLATIONS = [("SharedLLM (as trained)", {}), ("height 2", {"height": 2}), ("height 4", {"height": 4}),
              ("beta 1", {"beta": 1}), ("beta 4", {"beta": 4}), ("beta 16", {"beta": 16}),
              ("retrieval off (policy right)", {"policy": "right"}), ("chunk ids off", {"chunk_ids": "off"}),
-             ("chunk ids plain (no clamp)", {"chunk_ids": "plain"}), ("log-n scaling off", {"logn_scale": False}),
-             ("first of window", {"keep": "first"})]
+             ("chunk ids plain (no clamp)", {"chunk_ids": "plain"}), ("first of window", {"keep": "first"})]
 
 
 def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
     # columns for what the checkpoint was trained on: passkey accuracy, perplexity with the context, or both
     pk, lm = trained_on in ("passkey", "mixed", ""), trained_on in ("lm", "mixed", "")
     rows = [(name, model, over) for name, over in ABLATIONS]
+    flip = not model.scfg.logn_scale   # log-n scaling the other way than the checkpoint has it
+    rows.insert(-1, (f"log-n scaling {'on' if flip else 'off'}", model, {"logn_scale": flip}))
     for part in filter(None, g["compare"].split(";")):   # rows that need their own training run
         if "=" not in part:
             raise ValueError(f"--compare={g['compare']}: expected label=out_dir;label=out_dir")

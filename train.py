@@ -32,6 +32,8 @@ out_dir = "out"
 init_from = "scratch"       # "scratch" | "resume" (from out_dir) | a LLaMA folder in HF layout | a .gguf file
 eval_interval = 500         # evaluate and checkpoint every this many iterations
 eval_iters = 8              # batches per eval setting
+final_eval_iters = 32       # ... and at the end: 512 samples, so a passkey rate near 95% is known to about +-1%
+                            # (128 samples: +-2%); the first eval_iters batches are those of every eval. 0 = eval_iters
 log_interval = 100
 eval_only = False
 # data
@@ -63,7 +65,8 @@ chunk_ids = "clamp"         # chunk-level position ids: "plain" (paper) | "clamp
                             # chunks at that distance: extrapolates) | "random" (random ids in training) | "off"
 max_chunk_dist = 0          # "clamp": the largest query-key chunk distance; 0 = n_chunks (the farthest training sees)
 max_chunk_id = 1024         # "random": ids drawn up to this in training = the longest context in distribution (chunks)
-logn_scale = True           # inference beyond n_chunks: scale cross-attention queries by log(keys) / log(keys in training)
+logn_scale = False          # inference beyond n_chunks: scale cross-attention queries by log(keys) / log(keys in training)
+                            # (keeps passkey retrieval sharp over many more keys, costs language modeling there: README)
 inject = "bottom"           # "bottom" | "top" | "interleaved"
 train = "all"               # what trains: "all" | "cross" (cross-attention only: released code, LM) |
                             # "cross+top" (plus the top N-M layers: the paper's LM text) | "upper" (the whole upper model: SFT)
@@ -73,7 +76,7 @@ light_ckpt = True           # from a pretrained folder: checkpoints hold only wh
 # optimizer
 batch_size = 16
 gradient_accumulation_steps = 1
-max_iters = 5000
+max_iters = 6500
 stop_iter = 0               # stop (checkpointed) at this iteration without changing the schedule; 0 = run to max_iters
 learning_rate = 3e-3
 min_lr = 3e-4
@@ -113,7 +116,8 @@ def main():
             torch.cuda.set_device(dev)
     master = rank == 0
     dev_type = "cuda" if dev.startswith("cuda") else dev
-    for name, lo, hi in [("passkey_frac", 0, 1), ("context_dropout", 0, 1), ("lr_decay_iters", 0, float("inf"))]:
+    for name, lo, hi in [("passkey_frac", 0, 1), ("context_dropout", 0, 1), ("lr_decay_iters", 0, float("inf")),
+                         ("eval_iters", 1, float("inf")), ("final_eval_iters", 0, float("inf"))]:
         if not lo <= globals()[name] <= hi:
             raise SystemExit(f"--{name}={globals()[name]}: expected a value in [{lo}, {hi}]")
     if dt not in ("float32", "bfloat16", "float16"):
@@ -149,6 +153,15 @@ def main():
             raw = sharedllm_from_checkpoint(ckpt, path, ptdtype)   # saved tensors as saved; a light one's base in ptdtype
         except (ValueError, FileNotFoundError, ImportError) as e:
             raise SystemExit(f"init_from=resume: {e}") from None
+        try:   # the model is the checkpoint's: a SharedLLM setting given otherwise would be silently ignored
+            differ = [k for k, v in asdict(M.SharedConfig(**scfg)).items() if getattr(raw.scfg, k) != v]
+        except ValueError as e:
+            raise SystemExit(f"train.py: {e}") from None
+        if differ:
+            raise SystemExit(f"init_from=resume: {path} was trained with " + ", ".join(
+                f"{k}={getattr(raw.scfg, k)!r}" for k in differ) + " but this run sets " + ", ".join(
+                f"{k}={scfg[k]!r}" for k in differ) + "; resume with its settings (or its config file). To read a "
+                "checkpoint with other inference settings, use eval.py (--chunk_ids, --logn_scale, --beta, ...)")
         tok = tokenizer_from_spec(ckpt["tokenizer"])
         model_args, llama, base = ckpt["model_args"], raw.upper, ckpt.get("base")
     else:   # a LLaMA folder or .gguf file: both models come from this one checkpoint
@@ -253,7 +266,7 @@ def main():
     chunk_pairs, beta_pairs = parse_schedule("chunk_schedule", chunk_schedule), parse_schedule("beta_schedule", beta_schedule)
 
     @torch.no_grad()
-    def evaluate(chunk_counts):
+    def evaluate(chunk_counts, iters):
         # fixed validation samples (their own seed), so evals are comparable and never touch the training RNGs.
         # In "mixed", language modeling is measured once it has started (before lm_from it would measure noise).
         raw.eval()
@@ -265,25 +278,25 @@ def main():
             # same window, so every length scores the very same X_D tokens and the ratios compare context alone
             lrng = random.Random(1000)
             lm_batches = [[t.to(dev) for t in data.get_batch("lm", batch_size, lrng, tok, splits, max(counts), chunk_size,
-                                                              block_size, "val")] for _ in range(eval_iters)]
+                                                              block_size, "val")] for _ in range(iters)]
         for n in counts:
             erng = random.Random(1000 + n)
             if task in ("passkey", "mixed"):
                 hits = [0, 0]
-                for _ in range(eval_iters):
+                for _ in range(iters):
                     batch = [t.to(dev) for t in data.get_batch("passkey", batch_size, erng, tok, splits, n, chunk_size, None)]
                     for j, ctx in enumerate((batch[0], None)):   # with the context, then the upper model alone
                         with autocast:
                             logits, _ = raw(ctx, batch[1], query_len=batch[3])
                         scored = batch[2] != -100
                         hits[j] += ((logits.argmax(-1) == batch[2]) | ~scored).all(-1).sum().item()
-                out[f"passkey@{n}"], out[f"passkey_noctx@{n}"] = (h / (eval_iters * batch_size) for h in hits)
+                out[f"passkey@{n}"], out[f"passkey_noctx@{n}"] = (h / (iters * batch_size) for h in hits)
             if lm_batches:
                 losses = [0.0, 0.0]
                 for batch in lm_batches:
                     for j, ctx in enumerate((batch[0][:, -n:], None)):
                         with autocast:
-                            losses[j] += raw(ctx, batch[1], batch[2])[1].item() / eval_iters
+                            losses[j] += raw(ctx, batch[1], batch[2])[1].item() / iters
                 out[f"lm_loss@{n}"], out[f"lm_loss_noctx@{n}"] = losses
                 out[f"ppl_ratio@{n}"] = math.exp(losses[0] - losses[1])
         raw.train()
@@ -342,7 +355,8 @@ def main():
         if (iter_num % eval_interval == 0 or last) and master and (iter_num > start_iter or eval_only):
             check_finite(checked_at)
             with averaged():
-                res = evaluate(final_eval_chunks if last and final_eval_chunks else eval_chunks)
+                res = evaluate(final_eval_chunks or eval_chunks, final_eval_iters or eval_iters) if last else \
+                    evaluate(eval_chunks, eval_iters)
             print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
             log(iter=iter_num, eval=res)
             if not eval_only:

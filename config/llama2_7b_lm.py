@@ -26,8 +26,10 @@ warmup_iters = 20            # about 1% of the run (Table 6)
 beta2 = 0.999
 max_iters = 2000             # 2000 x 16 x 8K = 262M tokens (the paper: one epoch over 20B)
 ema_decay = 0.0              # the paper's recipe: no weight averaging
+logn_scale = True            # beyond the trained chunks: log-n query scaling, as before the tiny default dropped it
 eval_interval = 250
 eval_iters = 4
 eval_chunks = "4"
 final_eval_chunks = ""
+final_eval_iters = 0         # the last eval as large as the others
 activation_checkpointing = True

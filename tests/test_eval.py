@@ -158,7 +158,7 @@ def test_sample_and_eval_subprocesses(micro_ckpt, tmp_path):
     assert all(r["accuracy"] in (0, 1 / 3, 2 / 3, 1) for r in res["results"])
     out = run(common + ["--task=ablations", "--chunks=2", "--depths=0.5", "--samples=2", "--max_windows=2",
                         f"--compare=again={micro_ckpt}"], tmp_path, cmd=SCRIPTS["eval.py"])
-    for row in ("height 2", "beta 16", "retrieval off", "chunk ids off", "first of window", "again"):
+    for row in ("height 2", "beta 16", "retrieval off", "chunk ids off", "log-n scaling on", "first of window", "again"):
         assert row in out
 
 

@@ -16,8 +16,8 @@ from conftest import ROOT, SHARED_TOKENIZERS, make_hf_checkpoint, tiny_tiktoken_
 from tokenizer import ByteTokenizer
 
 MICRO = ["--preset=micro", "--n_lower=1", "--chunk_size=32", "--n_chunks=2", "--chunk_schedule=", "--block_size=48",
-         "--batch_size=2", "--eval_iters=1", "--eval_chunks=2", "--final_eval_chunks=", "--log_interval=1",
-         "--device=cpu"]
+         "--batch_size=2", "--eval_iters=1", "--eval_chunks=2", "--final_eval_chunks=", "--final_eval_iters=0",
+         "--log_interval=1", "--device=cpu"]
 
 
 def run(args, cwd, ok=True, cmd=None):
@@ -52,6 +52,7 @@ def test_config_errors(tmp_path, capsys):
                       (["--beta_schedule=2"], "--beta_schedule=2: expected value:until_iter pairs"),
                       (["--train=cross", "--task=lm"], "use --context_dropout=0"),
                       (["--context_dropout=1.5"], "--context_dropout=1.5: expected a value in [0, 1]"),
+                      (["--final_eval_iters=-1"], "--final_eval_iters=-1: expected a value in [0, inf]"),
                       (["--chunk_ids=maybe"], "SharedConfig.chunk_ids = 'maybe'; expected one of ('plain', 'clamp', 'random', 'off')")]:
         cfg = parse_overrides(MICRO + args + [f"--out_dir={tmp_path / 'out'}"], dict(train.config), train.__file__)
         with pytest.MonkeyPatch.context() as mp:
@@ -122,6 +123,9 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     assert evals[1].startswith("eval iter 6: passkey@2") and "ppl_ratio@2" in evals[1]
     run(common + [f"--out_dir={part}", "--stop_iter=3"], tmp_path)
     assert torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)["iter_num"] == 3
+    # a SharedLLM setting other than the checkpoint's is refused, not silently replaced by the checkpoint's
+    out = run(common + [f"--out_dir={part}", "--init_from=resume", "--chunk_ids=off", "--logn_scale=True"], tmp_path, ok=False)
+    assert "was trained with chunk_ids='clamp', logn_scale=False but this run sets chunk_ids='off', logn_scale=True" in out
     run(common + [f"--out_dir={part}", "--init_from=resume"], tmp_path)
     a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=True)
     b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)
@@ -171,7 +175,8 @@ def test_llama2_path_on_tiny_random_checkpoint(tmp_path):
     out = run(["--init_from=" + str(ck), "--train=cross", "--task=lm", f"--data_dir={docs}", "--n_lower=1", "--chunk_size=32",
                "--n_chunks=2", "--chunk_schedule=", "--block_size=48", "--batch_size=2", "--max_iters=3", "--eval_interval=3",
                "--context_dropout=0",
-               "--eval_iters=1", "--eval_chunks=2", "--final_eval_chunks=", "--device=cpu", f"--out_dir={tmp_path / 'out'}"], tmp_path)
+               "--eval_iters=1", "--eval_chunks=2", "--final_eval_chunks=", "--final_eval_iters=0", "--device=cpu",
+               f"--out_dir={tmp_path / 'out'}"], tmp_path)
     assert "memory estimate: weights" in out and "eval iter 3: lm_loss@2" in out
     assert "trainable 8,256 / frozen" in out    # cross-attention only: (norm 64 + wq 64x64 + wo 64x64) x 1 layer
 
@@ -232,7 +237,7 @@ def test_bf16_base_keeps_small_cross_attention_updates(tmp_path, capsys):
     common = [f"--init_from={ck}", "--train=cross", "--task=lm", f"--data_dir={docs}", "--n_lower=1",
               "--chunk_size=32", "--n_chunks=2", "--chunk_schedule=", "--beta_schedule=", "--block_size=32",
               "--batch_size=2", "--max_iters=10", "--eval_interval=10", "--eval_iters=1", "--eval_chunks=2",
-              "--final_eval_chunks=", "--context_dropout=0", "--learning_rate=1e-5", "--min_lr=1e-5",
+              "--final_eval_chunks=", "--final_eval_iters=0", "--context_dropout=0", "--learning_rate=1e-5", "--min_lr=1e-5",
               "--warmup_iters=0", "--ema_decay=0", "--device=cpu", "--log_interval=5"]   # the raw steps
     deltas = {}
     for dt in ("bfloat16", "float32"):
