@@ -354,9 +354,10 @@ def main():
         last = iter_num >= max_iters or 0 < stop_iter <= iter_num
         if (iter_num % eval_interval == 0 or last) and master and (iter_num > start_iter or eval_only):
             check_finite(checked_at)
+            chunks, iters = (final_eval_chunks or eval_chunks, final_eval_iters or eval_iters) if last else \
+                (eval_chunks, eval_iters)
             with averaged():
-                res = evaluate(final_eval_chunks or eval_chunks, final_eval_iters or eval_iters) if last else \
-                    evaluate(eval_chunks, eval_iters)
+                res = evaluate(chunks, iters)
             print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
             log(iter=iter_num, eval=res)
             if not eval_only:
