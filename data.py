@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-QUESTION = "What is the pass key? The pass key is "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is "   # then the key, tokenized as in the needle (passkey_question)
 
 
 def corpus_files(data_dir=""):
@@ -83,10 +84,22 @@ def lm_sample(split, rng, n_chunks, chunk_size, T):
 
 
 def passkey_ids(tok):
-    # token ids of the fixed parts, computed once per tokenizer
+    # token ids of the filler, computed once per tokenizer
     if not hasattr(tok, "_passkey"):
-        tok._passkey = dict(filler=tok.encode(FILLER, bos=False), question=tok.encode(QUESTION, bos=False))
+        tok._passkey = dict(filler=tok.encode(FILLER, bos=False))
     return tok._passkey
+
+
+def passkey_question(tok, key):
+    # -> (question ids, answer ids) of X_D. The question and the key are tokenized as ONE text that ends as the needle's
+    # first sentence does, "The pass key is 12345.", so the answer's tokens are exactly the needle's: a tokenizer may
+    # fold the space into the key (GPT-2: ' 735', '12') or make a token of it ('▁', '7', ...): it does the same in
+    # both. The question is every token before the first one that shows a digit; the answer runs to the key's end.
+    ids = tok.encode(f"{QUESTION}{key}.", bos=False)
+    shown = [tok.decode(ids[:i]) for i in range(len(ids) + 1)]              # QUESTION holds no digit
+    q = max(i for i in range(len(ids) + 1) if not any(c.isdigit() for c in shown[i]))
+    end = min(i for i in range(len(ids) + 1) if str(key) in shown[i])
+    return ids[:q], ids[q:end]
 
 
 def passkey_sample(tok, rng, n_chunks, chunk_size, T=None, depth=None, key=None):
@@ -95,7 +108,7 @@ def passkey_sample(tok, rng, n_chunks, chunk_size, T=None, depth=None, key=None)
     p = passkey_ids(tok)
     key = rng.randint(10000, 99999) if key is None else key
     depth = rng.random() if depth is None else depth
-    needle = tok.encode(f"The pass key is {key}. Remember it. {key} is the pass key. ", bos=False)
+    needle = tok.encode(NEEDLE.format(key=key), bos=False)
     L = n_chunks * chunk_size
     if L < len(needle) + 1:
         raise ValueError(f"context of {L} tokens is too short for the passkey needle ({len(needle) + 1} tokens)")
@@ -103,20 +116,38 @@ def passkey_sample(tok, rng, n_chunks, chunk_size, T=None, depth=None, key=None)
     hay = head + p["filler"] * (L // len(p["filler"]) + 1)
     at = len(head) + round(depth * (L - len(needle) - len(head)))
     ctx = (hay[:at] + needle + hay[at:])[:L]
-    answer = tok.encode(str(key), bos=False)
-    xd = p["question"] + answer
+    question, answer = passkey_question(tok, key)
+    xd = question + answer
     T = T or len(xd) - 1
-    assert T >= len(xd) - 1, f"T={T} is too short for the passkey question and answer ({len(xd) - 1})"
+    if T < len(xd) - 1:
+        raise ValueError(f"block_size T={T} is too short for the passkey question and answer ({len(xd) - 1} tokens)")
     xd = xd + (p["filler"] * (T // len(p["filler"]) + 2))[: T + 1 - len(xd)]   # pad after the answer: not scored
     idx, targets = torch.tensor(xd[:-1]), torch.tensor(xd[1:])
-    targets[: len(p["question"]) - 1] = -100                                      # score only the answer tokens
-    targets[len(p["question"]) - 1 + len(answer):] = -100
-    return torch.tensor(ctx).view(n_chunks, chunk_size), idx, targets, len(p["question"])
+    targets[: len(question) - 1] = -100                                          # score only the answer tokens
+    targets[len(question) - 1 + len(answer):] = -100
+    return torch.tensor(ctx).view(n_chunks, chunk_size), idx, targets, len(question)
+
+
+def collate(samples, tok):
+    # samples -> context (B, n, C), idx (B, T), targets (B, T), query_len (B,). Passkey samples made without a T are as
+    # long as their question and key, and a key can take more tokens in one sample than in another (GPT-2 BPE: 2 or 3):
+    # the shorter ones go on with filler after their answer, exactly as a longer T would have made them (not scored).
+    T = max(len(s[1]) for s in samples)
+    filler = passkey_ids(tok)["filler"] * (T // len(passkey_ids(tok)["filler"]) + 1)
+    out = []
+    for ctx, idx, tgt, ql in samples:
+        pad = T - len(idx)
+        if pad:
+            idx = torch.cat([idx, torch.tensor([int(tgt[-1])] + filler[:pad - 1])])   # the answer's last token, filler
+            tgt = torch.cat([tgt, torch.full((pad,), -100)])
+        out.append((ctx, idx, tgt, ql))
+    ctx, idx, tgt, ql = zip(*out)
+    return torch.stack(ctx), torch.stack(idx), torch.stack(tgt), torch.tensor(ql)
 
 
 def get_batch(kind, B, rng, tok, splits, n_chunks, chunk_size, T, split="train"):
     # kind: "lm" | "passkey" -> context (B, n, C), idx (B, T), targets (B, T), query_len (B,)
+    # (T None: passkey samples as long as their question and key, padded to the longest of the batch)
     samples = [passkey_sample(tok, rng, n_chunks, chunk_size, T) if kind == "passkey"
                else lm_sample(splits[split], rng, n_chunks, chunk_size, T) for _ in range(B)]
-    ctx, idx, tgt, ql = zip(*samples)
-    return torch.stack(ctx), torch.stack(idx), torch.stack(tgt), torch.tensor(ql)
+    return collate(samples, tok)

@@ -145,7 +145,7 @@ def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, d
     hits = 0
     for i in range(0, samples, batch_size):
         b = [data.passkey_sample(tok, rng, n, C, depth=rng.uniform(lo, hi)) for _ in range(min(batch_size, samples - i))]
-        ctx, idx, tgt, ql = (torch.stack(t).to(dev) if j < 3 else torch.tensor(t, device=dev) for j, t in enumerate(zip(*b)))
+        ctx, idx, tgt, ql = (t.to(dev) for t in data.collate(b, tok))
         if full:
             logits, _ = model.upper(torch.cat([ctx.flatten(1), idx], 1), last=idx.shape[1])
         else:
@@ -175,7 +175,7 @@ def heatmap(grid, ns, ds, C):
 
 def run_passkey(model, tok, ns, C, g, dev, quiet=False):
     ds = [float(x) for x in g["depths"].split(",")]
-    window, question = model.upper.cfg.max_seq_len, len(data.passkey_ids(tok)["question"]) + 8
+    window, question = model.upper.cfg.max_seq_len, sum(map(len, data.passkey_question(tok, 99999))) + 4
     grid, full, res = {}, {}, []
     for n in ns:
         for d in ds:

@@ -32,7 +32,7 @@ prompt = ""                 # the running text X_D (the question); "" = the pass
 n_chunks = 4                # the generated haystack's length in chunks (context="" only)
 key = 0                     # its 5-digit key; 0 = random
 depth = -1.0                # where the key sits, 0 = start .. 1 = end of the context; -1 = random
-max_new_tokens = 0          # 0 = the key's length for the haystack, else 64
+max_new_tokens = 0          # 0 = until the haystack's key is complete (else 64 tokens)
 temperature = 0.0           # 0 = greedy
 top_k = 0                   # 0 = off
 top_p = 1.0                 # 1.0 = off
@@ -134,10 +134,11 @@ def main(cfg):
     answer = None
     if g["context"] == "":
         rng = random.Random(g["seed"])
-        ctx, _, _, qlen = data.passkey_sample(tok, rng, g["n_chunks"], C, key=g["key"] or None,
-                                              depth=None if g["depth"] < 0 else g["depth"])
+        ctx, xd, _, qlen = data.passkey_sample(tok, rng, g["n_chunks"], C, key=g["key"] or None,
+                                               depth=None if g["depth"] < 0 else g["depth"])
         ids = ctx.flatten().tolist()
-        prompt_ids = tok.encode(g["prompt"] or data.QUESTION, bos=False)
+        # the question as training and eval.py tokenize it (the key follows as in the needle), or your own prompt
+        prompt_ids = tok.encode(g["prompt"], bos=False) if g["prompt"] else xd[:qlen].tolist()
         text = tok.decode(ids)
         answer = re.search(r"The pass key is (\d+)", text).group(1)
         print(f"context: a passkey haystack, key {answer} at depth "
@@ -202,7 +203,7 @@ def main(cfg):
                          for p in at_key[:1] if c * C <= p < (c + 1) * C)
             print(f"chunk {c} [{c * C}, {(c + 1) * C}): path {tree_path(nodes, C)}{at}")
             print(tree.describe(nodes, C, s.keep))
-    new = g["max_new_tokens"] or (len(answer) if answer else 64)
+    new = g["max_new_tokens"] or (4 * len(answer) if answer else 64)   # a haystack's key: decoded until complete
     print(f"prompt: {g['prompt'] or data.QUESTION!r}\n---")
     sys.stdout.write(tok.decode(prompt_ids))
     out, shown, t1 = [], "", None
@@ -215,11 +216,13 @@ def main(cfg):
         sys.stdout.write(full[len(shown):])
         sys.stdout.flush()
         shown = full
+        if answer and not g["max_new_tokens"] and len(full.strip()) >= len(answer):
+            break   # as many characters as the key has: one token per digit or several digits per token, it is complete
     t_end = time.perf_counter()
     shown = tok.decode(out)
     print(shown[len(full):] + "\n---")
     if answer:
-        print(f"expected {answer}: {'correct' if shown.startswith(answer) else 'wrong'}")
+        print(f"expected {answer}: {'correct' if shown.strip().startswith(answer) else 'wrong'}")
     rate = (len(out) - 1) / (t_end - t1) if len(out) > 1 else float("nan")
     peak = torch.cuda.max_memory_allocated() / 2**20 if dev.startswith("cuda") else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -48,7 +48,7 @@ def node_budget(chunk_size, height, beta):
     assert lengths[height] >= 1, f"chunk_size {chunk_size} is too short for a tree of height {height}"
     n_nodes = height + 1                               # one per level 1..h-1, two at level h
     total = max(n_nodes, round(chunk_size / beta))     # KVs kept per chunk
-    if total / n_nodes <= lengths[height]:
+    if beta > 2 and total / n_nodes <= lengths[height]:
         # the paper's level-wise scheme: every node keeps the same count, so the fraction kept doubles
         # with each level down (nodes halve). Any remainder goes to the finest nodes first.
         base = total // n_nodes
@@ -59,8 +59,9 @@ def node_budget(chunk_size, height, beta):
             if spare >= cost:
                 budget[w], spare = budget[w] + 1, spare - cost
         return budget
-    # beta too small for that (the leaves would need more KVs than they have tokens): the paper then
-    # uses the same ratio beta at every level (appendix, Table 7 caption).
+    # beta 1 or 2 (or any beta whose leaves would need more KVs than they have tokens): no level-wise scheme fits,
+    # and the paper then keeps the same ratio beta at every level (appendix, Table 7's caption: "For beta in {1,2}
+    # ... we set the compression ratio same as the beta for every level").
     return [0] + [max(1, round(lengths[w] / beta)) for w in range(1, height + 1)]
 
 
@@ -87,20 +88,21 @@ def keep_index(length, k, where="last"):
 def search(n_chunks, chunk_size, height, beta, decide=None, noise=0.0, rng=None):
     """Split-and-search over n_chunks trees at once. Returns, per chunk, its preserved nodes in text order.
     decide(level, lefts, rights) -> list of bool (True = expand the right child) for all chunks together;
-    None means "always right" (language modeling). noise: sigma = l / noise (0 = exact halves).
-    One eps per level is shared by all chunks (Algorithm 1)."""
+    None means "always right" (language modeling). noise: sigma = l / noise, l the length of the node being split
+    (0 = exact halves). One standard normal draw per level is shared by all chunks (Algorithm 1's randn(1)), scaled
+    by each chunk's own l: after a noisy split the nodes being split differ in length from chunk to chunk."""
     budget = node_budget(chunk_size, height, beta)
     need = min_length(budget, height)
     rng = rng or random
     current = [(0, chunk_size)] * n_chunks             # the node being expanded, per chunk
     preserved = [[] for _ in range(n_chunks)]
-    parent_len = chunk_size                            # nominal length at this level, for sigma
     for level in range(1, height + 1):
-        eps = rng.gauss(0.0, parent_len / noise) if noise > 0 else 0.0
+        z = rng.gauss(0.0, 1.0) if noise > 0 else 0.0  # this level's draw, shared by all chunks
         lefts, rights = [], []
         for s, e in current:
             lo, hi = need[level], (e - s) - need[level]
             assert lo <= hi, f"node [{s},{e}) too short to split at level {level} (needs 2x{lo})"
+            eps = z * (e - s) / noise if noise > 0 else 0.0  # eps ~ N(0, sigma^2), sigma = l / noise (Eq. 1)
             b = min(max(math.floor((e - s) / 2 - eps), lo), hi)   # eps clamped: each child keeps its share
             lefts.append((s, s + b))
             rights.append((s + b, e))
@@ -113,7 +115,6 @@ def search(n_chunks, chunk_size, height, beta, decide=None, noise=0.0, rng=None)
         for i in range(n_chunks):
             keep, current[i] = (lefts[i], rights[i]) if go_right[i] else (rights[i], lefts[i])
             preserved[i].append(Node(*keep, level, budget[level]))
-        parent_len = parent_len // 2
     for nodes in preserved:                            # invariants: spans tile the chunk, no gap, no overlap
         nodes.sort(key=lambda nd: nd.start)
         assert nodes[0].start == 0 and nodes[-1].end == chunk_size
@@ -150,8 +151,13 @@ if __name__ == "__main__":
     print("\ntraining-time noise (sigma = l/5), one eps per level shared by all chunks, seed 0:")
     print(describe(search(1, C, h, beta, noise=5.0, rng=random.Random(0))[0], C))
 
+    print("\nbeta 2: no level-wise scheme fits (the leaves would keep every token), so every level keeps 1 in 2:")
+    nodes = search(1, C, h, 2)[0]
+    print(describe(nodes, C))
+    assert [len(nd) / nd.kept for nd in nodes] == [2, 2, 2, 2]
+
     print("\nother shapes (beta as measured):")
-    for C2, h2, b2 in [(1024, 2, 8), (1024, 4, 8), (1024, 3, 1), (1024, 3, 16), (128, 3, 8), (100, 3, 8)]:
+    for C2, h2, b2 in [(1024, 2, 8), (1024, 4, 8), (1024, 3, 1), (1024, 3, 16), (128, 3, 2), (128, 3, 8), (100, 3, 8)]:
         nodes = search(1, C2, h2, b2)[0]
         print(f"  C={C2:5d} h={h2} beta={b2:2d}: spans {[(nd.start, nd.end) for nd in nodes]}"
               f" KVs {[nd.kept for nd in nodes]} -> beta {C2 / sum(nd.kept for nd in nodes):.3g}")

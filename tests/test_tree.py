@@ -50,6 +50,30 @@ def test_exact_counts_for_lengths_that_do_not_divide():
     assert tree.node_budget(1024, 3, 1) == [0, 512, 256, 128]               # beta 1 keeps everything
 
 
+@pytest.mark.parametrize("C,h", [(1024, 3), (128, 3), (1024, 2), (1024, 4), (512, 3)])
+def test_beta_2_keeps_one_in_two_at_every_level(C, h):
+    # Table 7's caption: "For beta in {1,2} ... we set the compression ratio same as the beta for every level"
+    nodes = tree.search(1, C, h, 2)[0]
+    assert [len(n) / n.kept for n in nodes] == [2.0] * (h + 1) and C / sum(n.kept for n in nodes) == 2
+    assert tree.node_budget(1024, 3, 2) == [0, 256, 128, 64]
+    assert [len(n) / n.kept for n in tree.search(1, 1024, 3, 1)[0]] == [1.0] * 4
+
+
+def test_split_noise_scales_with_the_length_of_the_node_being_split():
+    # Eq. 1: b = floor(l/2 - eps), eps ~ N(0, sigma^2), sigma = l / noise with l the node's own length. One draw per
+    # level is shared by all chunks (Algorithm 1), so after a noisy first split the two chunks below split nodes of
+    # different lengths, each with its own sigma.
+    class Fixed:   # a "random" source whose standard normal draw is always 0.5
+        def gauss(self, mu, sigma):
+            return mu + 0.5 * sigma
+    go = lambda level, lefts, rights: [True, False]   # chunk 0 expands the right child, chunk 1 the left one
+    right, left = tree.search(2, 1024, 3, 8, go, noise=5.0, rng=Fixed())
+    # level 1, l = 1024: eps = 102.4, b = 409. Level 2: chunk 0 splits [409, 1024) (l = 615, eps = 61.5, b = 246),
+    # chunk 1 splits [0, 409) (l = 409, eps = 40.9, b = 163). Level 3: [655, 1024) (l = 369, b = 147), [0, 163) (b = 65).
+    assert [(n.start, n.end) for n in right] == [(0, 409), (409, 655), (655, 802), (802, 1024)]
+    assert [(n.start, n.end) for n in left] == [(0, 65), (65, 163), (163, 409), (409, 1024)]
+
+
 def test_edge_cases_height_1_and_beta_1():
     assert [(n.start, n.end, n.kept) for n in tree.search(1, 64, 1, 8)[0]] == [(0, 32, 4), (32, 64, 4)]
     nodes = tree.search(1, 64, 3, 1)[0]
