@@ -98,7 +98,10 @@ def peak_flops(dev_type, dt, n=None, trials=10):
     # the device's matmul peak, measured here (no hard-coded A100 number): a large matmul, best of `trials` after a
     # warm-up (a cold 2-core CPU read 0.16 TFLOP/s where a warm one reads 0.27-0.30)
     n = n or (4096 if dev_type == "cuda" else 1024)
-    a = torch.randn(n, n, device=dev_type, dtype=dt if dev_type == "cuda" else torch.float32)
+    # its own generator: measuring (again, when a run finds the first measurement too low) never moves the run's random
+    # stream, so a resumed run draws what the uninterrupted one draws
+    g = torch.Generator(device=dev_type).manual_seed(0)
+    a = torch.randn(n, n, device=dev_type, dtype=dt if dev_type == "cuda" else torch.float32, generator=g)
     sync = {"cuda": torch.cuda.synchronize, "mps": lambda: torch.mps.synchronize()}.get(dev_type, lambda: None)
     for _ in range(8):
         a @ a

@@ -122,6 +122,9 @@ def main():
             raise SystemExit(f"--{name}={globals()[name]}: expected a value in [{lo}, {hi}]")
     if dt not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"--dtype={dt}: expected float32 or bfloat16 (or float16)")
+    if dt == "float16" and dev_type != "cuda":
+        raise SystemExit(f"--dtype=float16 on {dev}: float16 autocast is for CUDA GPUs without bfloat16 (it trains with a "
+                         "gradient scaler there); use --dtype=float32 or --dtype=bfloat16")
     ptdtype = getattr(torch, dt)
     if not 0 <= ema_decay < 1:
         raise SystemExit(f"--ema_decay={ema_decay}: expected 0 (off) or a decay in (0, 1), like 0.998")
@@ -203,20 +206,43 @@ def main():
 
     # -------------------------------------------------------------------------
     # data, optimizer, schedule
+    chunk_pairs, beta_pairs = parse_schedule("chunk_schedule", chunk_schedule), parse_schedule("beta_schedule", beta_schedule)
+    eval_counts = {"eval_chunks": parse_counts("eval_chunks", eval_chunks),
+                   "final_eval_chunks": parse_counts("final_eval_chunks", final_eval_chunks or eval_chunks)}
     if ddp and not master:
         torch.distributed.barrier()   # rank 0 tokenizes the corpus first; the others then read its cache
-    splits = data.prepare(tok, package_path(data_dir)) if task != "passkey" else None
+    try:
+        splits = data.prepare(tok, package_path(data_dir)) if task != "passkey" else None
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"--data_dir={data_dir}: {e}") from None
     if ddp and master:
         torch.distributed.barrier()
+    lm_eval_counts = check_lengths(tok, splits, sorted({n for n, _ in chunk_pairs} | {n_chunks}),
+                                   sorted(set(sum(eval_counts.values(), []))), master)
     params = [p for p in raw.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(beta1, beta2), weight_decay=weight_decay)
     iter_num = 0
+    # float16 (CUDA only) has a narrow range: the loss is scaled up so that small gradients do not underflow to zero,
+    # and steps whose gradients overflowed are skipped. Off (a pass-through) for float32 and bfloat16.
+    scaler = torch.amp.GradScaler("cuda", enabled=dt == "float16")
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         iter_num = ckpt["iter_num"]
-        rng.setstate(ckpt["rng"][rank if rank < len(ckpt["rng"]) else 0])
-        random.setstate(ckpt["tree_rng"])
-        torch.set_rng_state(ckpt["torch_rng"])
+        if "scaler" in ckpt:
+            scaler.load_state_dict(ckpt["scaler"])
+        # every rank goes on with its own random streams (data, split noise, torch); older checkpoints hold rank 0's
+        states = ckpt.get("rngs") or [dict(data=ckpt["rng"][0], tree=ckpt["tree_rng"], torch=ckpt["torch_rng"])]
+        if rank < len(states):
+            rng.setstate(states[rank]["data"])
+            random.setstate(states[rank]["tree"])
+            torch.set_rng_state(states[rank]["torch"])
+        else:   # more processes than wrote the checkpoint: this one starts fresh streams of its own
+            print(f"rank {rank}: the checkpoint holds the random streams of {len(states)} process(es); this rank starts "
+                  f"new ones (seed {seed} + rank + iteration)")
+            fresh = seed + rank + 1_000_003 * iter_num
+            rng.seed(fresh)
+            random.seed(fresh)
+            torch.manual_seed(fresh)
 
     # The moving average of what trains (fp32, like the master weights). At a high learning rate the raw weights
     # hover around a better point than any one of them; evaluations and checkpoints read the average.
@@ -251,19 +277,8 @@ def main():
         ratio = min(1.0, (it - warmup_iters) / max(1, decay_end - warmup_iters))
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
-    def parse_schedule(name, spec):   # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)]
-        try:
-            pairs = [tuple(int(x) for x in part.split(":")) for part in filter(None, spec.split(","))]
-            assert all(len(p) == 2 for p in pairs), "each part is value:until_iter"
-            if name == "beta_schedule":
-                [M.tree.node_budget(chunk_size, height, v) for v, _ in pairs]
-        except (ValueError, AssertionError) as e:
-            raise SystemExit(f"--{name}={spec}: expected value:until_iter pairs like 2:1000,4:2000 ({e})") from None
-        return pairs
-
     def scheduled(pairs, it, final):   # the value of the first pair whose until_iter is still ahead, else final
         return next((v for v, until in pairs if it < until), final)
-    chunk_pairs, beta_pairs = parse_schedule("chunk_schedule", chunk_schedule), parse_schedule("beta_schedule", beta_schedule)
 
     @torch.no_grad()
     def evaluate(chunk_counts, iters):
@@ -271,13 +286,13 @@ def main():
         # In "mixed", language modeling is measured once it has started (before lm_from it would measure noise).
         raw.eval()
         trained_beta, raw.scfg.beta = raw.scfg.beta, beta   # always evaluate at the target compression
-        out, counts = {}, [int(x) for x in chunk_counts.split(",")]
-        lm_batches = []
-        if task == "lm" or (task == "mixed" and iter_num > lm_from):
+        out, counts = {}, eval_counts[chunk_counts]
+        lm_counts, lm_batches = [n for n in counts if n in lm_eval_counts], []   # what the validation documents hold
+        if lm_counts and (task == "lm" or (task == "mixed" and iter_num > lm_from)):
             # windows drawn once for the largest chunk count; a shorter context is the most recent n chunks of the
             # same window, so every length scores the very same X_D tokens and the ratios compare context alone
             lrng = random.Random(1000)
-            lm_batches = [[t.to(dev) for t in data.get_batch("lm", batch_size, lrng, tok, splits, max(counts), chunk_size,
+            lm_batches = [[t.to(dev) for t in data.get_batch("lm", batch_size, lrng, tok, splits, max(lm_counts), chunk_size,
                                                               block_size, "val")] for _ in range(iters)]
         for n in counts:
             erng = random.Random(1000 + n)
@@ -291,7 +306,7 @@ def main():
                         scored = batch[2] != -100
                         hits[j] += ((logits.argmax(-1) == batch[2]) | ~scored).all(-1).sum().item()
                 out[f"passkey@{n}"], out[f"passkey_noctx@{n}"] = (h / (iters * batch_size) for h in hits)
-            if lm_batches:
+            if lm_batches and n in lm_counts:
                 losses = [0.0, 0.0]
                 for batch in lm_batches:
                     for j, ctx in enumerate((batch[0][:, -n:], None)):
@@ -305,7 +320,16 @@ def main():
 
     trained = {n for n, p in raw.named_parameters(remove_duplicate=False) if p.requires_grad}
 
-    def save():
+    def rng_states():
+        # this process's three random streams; under DDP every rank's (a collective: all ranks call it together)
+        mine = dict(data=rng.getstate(), tree=random.getstate(), torch=torch.get_rng_state())
+        if not ddp:
+            return [mine]
+        everyone = [None] * world
+        torch.distributed.all_gather_object(everyone, mine)
+        return everyone
+
+    def save(rngs):
         state, extra = raw.state_dict(), {}
         if base:   # light: what trains, and the base checkpoint (path and content hash) that holds the rest
             state = {k: v for k, v in state.items() if k in trained}
@@ -313,9 +337,10 @@ def main():
             avg = {n: e for e, ns in zip(ema, names) for n in ns}
             extra["raw"] = {n: state[n] for n in avg}
             state = {**state, **avg}
+        if scaler.is_enabled():
+            extra["scaler"] = scaler.state_dict()
         ck = dict(model=state, optimizer=optimizer.state_dict(), model_args=model_args, iter_num=iter_num,
-                  config=config, tokenizer=tok.spec, rng=[rng.getstate()], tree_rng=random.getstate(),
-                  torch_rng=torch.get_rng_state(), **(dict(base=base) if base else {}), **extra)
+                  config=config, tokenizer=tok.spec, rngs=rngs, **(dict(base=base) if base else {}), **extra)
         path = os.path.join(out_dir, "ckpt.pt")
         torch.save(ck, path + ".tmp")      # written in full, then renamed: a crash never leaves half a checkpoint
         os.replace(path + ".tmp", path)
@@ -352,16 +377,22 @@ def main():
     t0, t_start, start_iter = time.time(), time.time(), iter_num   # a resumed run does not re-evaluate its checkpoint
     while True:
         last = iter_num >= max_iters or 0 < stop_iter <= iter_num
+        if (iter_num % eval_interval == 0 or last) and (iter_num > start_iter or eval_only):
+            rngs = rng_states() if not eval_only else None   # every rank's, before rank 0 saves
         if (iter_num % eval_interval == 0 or last) and master and (iter_num > start_iter or eval_only):
             check_finite(checked_at)
-            chunks, iters = (final_eval_chunks or eval_chunks, final_eval_iters or eval_iters) if last else \
-                (eval_chunks, eval_iters)
-            with averaged():
-                res = evaluate(chunks, iters)
+            if not eval_only:
+                save(rngs)   # first: an evaluation that fails never costs the trained weights
+            chunks, iters = ("final_eval_chunks", final_eval_iters or eval_iters) if last else ("eval_chunks", eval_iters)
+            try:
+                with averaged():
+                    res = evaluate(chunks, iters)
+            except Exception:
+                print(f"evaluation at iteration {iter_num} failed; the weights are saved in "
+                      f"{os.path.join(out_dir, 'ckpt.pt')}", flush=True)
+                raise
             print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
             log(iter=iter_num, eval=res)
-            if not eval_only:
-                save()
             t0 = time.time()   # eval time is not training time
         if last or eval_only:
             break
@@ -384,10 +415,12 @@ def main():
             nonfinite |= ~torch.isfinite(loss.detach())   # on the device: read at the next log line or checkpoint
             loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
             loss_n[kind] = loss_n.get(kind, 0) + 1
-            (loss / gradient_accumulation_steps).backward()
+            scaler.scale(loss / gradient_accumulation_steps).backward()
         if grad_clip > 0:
+            scaler.unscale_(optimizer)   # clip the true gradients (a no-op without float16)
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         if ema is not None:
             with torch.no_grad():
@@ -402,15 +435,70 @@ def main():
             flops = step_flops(raw, n, idx.shape[1]) * gradient_accumulation_steps * batch_size
             losses = {k: (loss_sum[k] / loss_n[k]).item() for k in loss_sum}   # mean per batch kind since the last line
             loss_sum, loss_n = {}, {}
+            if flops / dt_ > peak:   # faster than the start-up "peak": it was measured while the machine was busy
+                peak = max(peak_flops(dev_type, ptdtype), flops / dt_)
             print(f"iter {iter_num}: loss " + " ".join(f"{v:.4f}" + (f" ({k})" if len(losses) > 1 else "")
                                                        for k, v in losses.items())
-                  + f", lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, {toks / dt_:,.0f} tok/s, mfu {100 * flops / dt_ / peak:.1f}%, "
+                  + f", lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, {toks / dt_:,.0f} tok/s, mfu {100 * flops / dt_ / peak:.1f}% "
+                  f"(of {peak / 1e12:.2f} TFLOP/s), "
                   f"chunks {n}, {(time.time() - t_start) / 60:.1f} min", flush=True)
             log(iter=iter_num, loss=losses, lr=lr, ms_per_iter=1000 * dt_, tok_per_s=toks / dt_, mfu=flops / dt_ / peak,
+                peak_flops=peak,
                 chunks=n, beta=raw.scfg.beta, minutes=(time.time() - t_start) / 60)
     if ddp:
         torch.distributed.barrier()   # the others wait for rank 0's last eval and checkpoint: no rank tears down early
         torch.distributed.destroy_process_group()
+
+
+def parse_schedule(name, spec):   # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)]
+    try:
+        pairs = [tuple(int(x) for x in part.split(":")) for part in filter(None, spec.split(","))]
+        assert all(len(p) == 2 for p in pairs), "each part is value:until_iter"
+        assert all(v >= 1 for v, _ in pairs), "values are at least 1"
+        if name == "beta_schedule":
+            [M.tree.node_budget(chunk_size, height, v) for v, _ in pairs]
+    except (ValueError, AssertionError) as e:
+        raise SystemExit(f"--{name}={spec}: expected value:until_iter pairs like 2:1000,4:2000 ({e})") from None
+    return pairs
+
+
+def parse_counts(name, spec):   # "4,16" -> [4, 16]
+    try:
+        counts = [int(x) for x in spec.split(",")]
+        assert counts and all(n >= 1 for n in counts)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--{name}={spec}: expected chunk counts like 4,16,64 (positive integers)") from None
+    return counts
+
+
+def check_lengths(tok, splits, train_counts, eval_counts, master):
+    # Every length the run will use, checked against the data at start-up, not at iteration 2,500 or after training,
+    # where a crash would cost the run. Training must fit; an evaluation length that no validation document can hold
+    # a language-modeling window for is evaluated on passkeys only, and said so. -> the chunk counts LM is evaluated at
+    if task != "lm":
+        needle = len(tok.encode(data.NEEDLE.format(key=99999), bos=False)) + 1
+        if min(train_counts + eval_counts) * chunk_size < needle:
+            raise SystemExit(f"--chunk_size={chunk_size}: {min(train_counts + eval_counts)} chunk(s) hold "
+                             f"{min(train_counts + eval_counts) * chunk_size} tokens; the passkey needle needs {needle}")
+        keys = [10000, 99999] + [random.Random(k).randint(10000, 99999) for k in range(100)]
+        xd = max(sum(map(len, data.passkey_question(tok, k))) for k in keys) - 1
+        if block_size < xd:
+            raise SystemExit(f"--block_size={block_size}: the passkey question and answer take up to {xd} tokens")
+    if task == "passkey":
+        return []
+    need = lambda n: n * chunk_size + block_size + 1
+    longest = {split: int(max(splits[split][1][1:] - splits[split][1][:-1])) for split in ("train", "val")}
+    where = data_dir or "the standard library"
+    if need(max(train_counts)) > longest["train"]:
+        raise SystemExit(f"--n_chunks / --chunk_schedule: {max(train_counts)} chunks x {chunk_size} + block_size "
+                         f"{block_size} + 1 = {need(max(train_counts)):,} tokens, and the longest training document of "
+                         f"{where} has {longest['train']:,}")
+    fit = [n for n in eval_counts if need(n) <= longest["val"]]
+    if fit != eval_counts and master:
+        print(f"language modeling is not evaluated at {[n for n in eval_counts if n not in fit]} chunks (passkeys are): "
+              f"a window needs n x {chunk_size} + {block_size} + 1 tokens and the longest validation document of "
+              f"{where} has {longest['val']:,}")
+    return fit
 
 
 def set_trainable(m, which):

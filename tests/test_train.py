@@ -53,6 +53,13 @@ def test_config_errors(tmp_path, capsys):
                       (["--train=cross", "--task=lm"], "use --context_dropout=0"),
                       (["--context_dropout=1.5"], "--context_dropout=1.5: expected a value in [0, 1]"),
                       (["--final_eval_iters=-1"], "--final_eval_iters=-1: expected a value in [0, inf]"),
+                      (["--dtype=float16"], "--dtype=float16 on cpu: float16 autocast is for CUDA GPUs"),
+                      (["--final_eval_chunks=4,x"], "--final_eval_chunks=4,x: expected chunk counts like 4,16,64"),
+                      (["--eval_chunks=0"], "--eval_chunks=0: expected chunk counts like 4,16,64"),
+                      (["--chunk_schedule=0:10"], "--chunk_schedule=0:10: expected value:until_iter pairs"),
+                      (["--block_size=20"], "--block_size=20: the passkey question and answer take up to 42 tokens"),
+                      (["--chunk_size=16", "--n_chunks=2"], "--chunk_size=16: 2 chunk(s) hold 32 tokens; the passkey "
+                                                           "needle needs 60"),
                       (["--chunk_ids=maybe"], "SharedConfig.chunk_ids = 'maybe'; expected one of ('plain', 'clamp', 'random', 'off')")]:
         cfg = parse_overrides(MICRO + args + [f"--out_dir={tmp_path / 'out'}"], dict(train.config), train.__file__)
         with pytest.MonkeyPatch.context() as mp:
@@ -181,13 +188,26 @@ def test_llama2_path_on_tiny_random_checkpoint(tmp_path):
     assert "trainable 8,256 / frozen" in out    # cross-attention only: (norm 64 + wq 64x64 + wo 64x64) x 1 layer
 
 
-def test_ddp_over_gloo_two_processes(tmp_path):
+def test_ddp_over_gloo_two_processes_and_exact_resume(tmp_path):
     # language modeling with and without X_C: rank 0 tokenizes the corpus while rank 1 waits, and batches that
-    # leave cross-attention unused on one rank do not stall the gradient all-reduce
-    out = run(MICRO + ["--max_iters=6", "--eval_interval=6", "--task=mixed", "--lm_from=0", "--passkey_frac=0",
-                       "--context_dropout=0.5", f"--out_dir={tmp_path / 'out'}"], tmp_path,
-              cmd=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", os.path.join(ROOT, "train.py")])
+    # leave cross-attention unused on one rank do not stall the gradient all-reduce. Resumed half-way, every rank goes
+    # on with its own random streams: the run equals the uninterrupted one bit for bit, on both ranks.
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", os.path.join(ROOT, "train.py")]
+    common = MICRO + ["--max_iters=6", "--eval_interval=3", "--task=mixed", "--lm_from=0", "--passkey_frac=0",
+                      "--context_dropout=0.5"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    out = run(common + [f"--out_dir={full}"], tmp_path, cmd=ddp)
     assert "2 process(es)" in out and "ppl_ratio@2" in out and out.count("prepared ") == 2   # corpus prepared once
+    run(common + [f"--out_dir={part}", "--stop_iter=3"], tmp_path, cmd=ddp)
+    run(common + [f"--out_dir={part}", "--init_from=resume"], tmp_path, cmd=ddp)
+    a, b = (torch.load(d / "ckpt.pt", weights_only=True) for d in (full, part))
+    assert a["iter_num"] == b["iter_num"] == 6 and len(a["rngs"]) == len(b["rngs"]) == 2
+    assert a["rngs"][0]["data"] != a["rngs"][1]["data"]                      # two ranks, two data streams
+    for r in range(2):
+        assert a["rngs"][r]["data"] == b["rngs"][r]["data"] and a["rngs"][r]["tree"] == b["rngs"][r]["tree"]
+        assert torch.equal(a["rngs"][r]["torch"], b["rngs"][r]["torch"])
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]) and torch.equal(a["raw"][k], b["raw"][k]), k
 
 
 def test_context_dropout_one_never_trains_cross_attention(tmp_path):
@@ -205,6 +225,60 @@ def test_context_dropout_one_never_trains_cross_attention(tmp_path):
         ck = torch.load(tmp_path / str(drop) / "ckpt.pt", weights_only=True)["model"]
         wo = [ck[k].abs().max().item() for k in ck if "cross_attention.wo" in k]
         assert wo and (max(wo) == 0) == (drop == 1.0), wo    # with the context (drop 0) it does train
+
+
+def short_docs(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(10):
+        (docs / f"{i}.txt").write_text(" ".join(f"token{j % 17} line {j}" for j in range(60)))   # about 800 bytes each
+    return docs
+
+
+def test_every_length_is_checked_at_start_up_and_weights_are_never_lost(tmp_path, capsys):
+    docs = short_docs(tmp_path)
+    lm = MICRO + ["--task=lm", f"--data_dir={docs}", "--max_iters=2", "--eval_interval=2", "--warmup_iters=1"]
+    # an evaluation length that no validation document holds: measured on what fits, said at start-up
+    train_in_process(lm + ["--final_eval_chunks=2,64", f"--out_dir={tmp_path / 'a'}"], tmp_path)
+    out = capsys.readouterr().out
+    assert "language modeling is not evaluated at [64] chunks (passkeys are): a window needs n x 32 + 48 + 1 tokens" in out
+    assert "ppl_ratio@2" in out and "@64" not in out and os.path.isfile(tmp_path / "a" / "ckpt.pt")
+    # a training length that does not fit: refused before anything is trained
+    with pytest.raises(SystemExit, match=r"--n_chunks / --chunk_schedule: 64 chunks x 32 \+ block_size 48 \+ 1 = 2,097 "
+                                         r"tokens, and the longest training document of .*docs has"):
+        train_in_process(lm + ["--n_chunks=64", f"--out_dir={tmp_path / 'b'}"], tmp_path)
+    with pytest.raises(SystemExit, match="--data_dir=.*nowhere: data_dir=.*nowhere.* holds no .txt files"):
+        train_in_process(lm + [f"--data_dir={tmp_path / 'nowhere'}", f"--out_dir={tmp_path / 'b'}"], tmp_path)
+    # an evaluation that fails after training: the weights were saved before it
+    real = data.get_batch
+    def fails_on_validation(kind, *a, **kw):
+        if kw.get("split", a[-1] if len(a) > 7 else "train") == "val":
+            raise RuntimeError("evaluation broke")
+        return real(kind, *a, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(data, "get_batch", fails_on_validation)
+        with pytest.raises(RuntimeError, match="evaluation broke"):
+            train_in_process(lm + [f"--out_dir={tmp_path / 'c'}"], tmp_path)
+    assert "evaluation at iteration 2 failed; the weights are saved in" in capsys.readouterr().out
+    assert torch.load(tmp_path / "c" / "ckpt.pt", weights_only=True)["iter_num"] == 2
+
+
+def test_mfu_never_exceeds_100_percent(tmp_path, capsys):
+    # a start-up peak measured while the machine was busy (here: 1 FLOP/s) is measured again once the run beats it
+    import json
+    import train
+    from configurator import peak_flops
+    calls = []
+    def busy_then_real(*a, **kw):
+        calls.append(a)
+        return 1.0 if len(calls) == 1 else peak_flops(*a, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train, "peak_flops", busy_then_real)
+        train_in_process(MICRO + ["--max_iters=3", "--eval_interval=3", f"--out_dir={tmp_path}"], tmp_path)
+    mfu = [float(x) for x in re.findall(r"mfu ([\d.]+)%", capsys.readouterr().out)]
+    logged = [json.loads(line) for line in open(tmp_path / "log.jsonl") if '"mfu"' in line]
+    assert len(calls) == 2 and len(mfu) == 3 and max(mfu) <= 100.0
+    assert all(0 < r["mfu"] <= 1.0 and r["peak_flops"] > 1.0 for r in logged)
 
 
 def train_in_process(args, tmp_path):
