@@ -3,6 +3,7 @@ train.py's checkpoints: read safely (tensors and plain values only: `read_checkp
 SharedLLM they hold, full or light (`sharedllm_from_checkpoint`), and a SharedLLM with its tokenizer from either a
 checkpoint or a LLaMA folder / .gguf file (`load_sharedllm`, what sample.py, eval.py and bench.py start from).
 A light checkpoint holds only what trained, plus the path and sha256 of the base checkpoint that holds the rest.
+`base_model` gives the unchanged base LLaMA of either, for baselines (full attention).
 """
 import hashlib
 import os
@@ -102,3 +103,19 @@ def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
         raise ValueError(f"{path}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                          f"{model.upper.cfg.vocab_size}; the checkpoint and tokenizer do not belong together")
     return model.to(device=device, dtype=dtype).eval(), tok, train_cfg
+
+
+def base_model(path, model, train_cfg, device="cpu", dtype=torch.float32):
+    # The unchanged base LLaMA of what load_sharedllm(path) returned, for a baseline like full attention, with a label
+    # that says what it is. -> (Llama, label). Only cross-attention trained (or nothing: a LLaMA folder): the upper model
+    # IS the base. Else a light checkpoint's base is loaded again, as it was (load_sharedllm checked its sha256). A full
+    # checkpoint whose upper layers trained holds no unchanged base: its own upper model, labelled as such.
+    trained = train_cfg.get("train", "cross")
+    if trained == "cross":
+        return model.upper, "the base model (only cross-attention trained)" if train_cfg else "the base model"
+    ckpt_file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+    base = read_checkpoint(ckpt_file).get("base")
+    if base:
+        return load_llama(base["path"], "cpu", dtype).to(device).eval(), f"the base model {base['path']}"
+    return model.upper, (f"this checkpoint's own upper model (train={trained!r} trained it; the checkpoint holds no "
+                         "unchanged base)")

@@ -18,6 +18,7 @@ import math
 import random
 import sys
 import time
+import types
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ import torch
 import data
 import plots
 from configurator import auto_device, config_of, package_path, parse_overrides
-from checkpoint import load_sharedllm
+from checkpoint import base_model, load_sharedllm
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
@@ -36,7 +37,7 @@ chunks = ""                 # chunk counts, e.g. "4,16,64,256"; "" = 1x, 4x, 16x
 block_size = 0              # T: X_D tokens; 0 = as trained
 score_last = 0              # K: scored tokens at the end of X_D; 0 = the paper's 256, or T // 2 for a shorter X_D
 max_windows = 64            # ppl windows, spread evenly over the validation documents
-full = False                # also score the base model with full attention over X_C + X_D (the ceiling of a
+full = False                # also score the unchanged base model with full attention over X_C + X_D (the ceiling of a
                             # pretrained model; passkey: only within its window)
 full_budget_s = 300.0       # ppl: skip full attention at lengths predicted to take longer than this (it is quadratic)
 data_dir = ""               # a folder of .txt (validation split); "" = the checkpoint's own data_dir (the stdlib's .py)
@@ -63,8 +64,9 @@ seed = 1337
 
 
 def ppl_windows(split, n_max, C, T, K, max_windows):
-    # -> (document start, scored block start) pairs: the K scored tokens are [p, p+K), X_D = [p+K-T, p+K), and the
-    # X_C of n chunks is the n*C tokens before X_D; every window fits n_max chunks inside its own document.
+    # -> (document start, p) pairs: X_D = tokens [p+K-T, p+K), its last K positions [p, p+K) are scored, and the tokens
+    # they predict are [p+1, p+K+1) (window_tokens); X_C is the n*C tokens before X_D; every window fits n_max chunks
+    # inside its own document.
     tokens, offsets = split
     cand = []
     for d in range(len(offsets) - 1):
@@ -78,21 +80,25 @@ def ppl_windows(split, n_max, C, T, K, max_windows):
     return [cand[i] for i in pick]
 
 
+def window_tokens(tokens, p, n, C, T, K):
+    # one window as a row of n*C + T + 1 tokens: X_C = [p+K-T-n*C, p+K-T), X_D = [p+K-T, p+K), and one more token, so
+    # that the last K targets are tokens [p+1, p+K+1)
+    return torch.from_numpy(tokens[p + K - T - n * C: p + K + 1].astype(np.int64))
+
+
 @torch.no_grad()
 def score_ppl(model, split, windows, n, C, T, K, context, batch_size, dev):
     # -> (perplexity, scored tokens): mean over windows of the mean NLL of the last K tokens of X_D.
-    # context: "compressed" (SharedLLM), "none" (the upper model on X_D alone) or "full" (the base LLaMA with plain
-    # causal attention over X_C + X_D as one sequence: the ceiling while that fits the base model's window)
-    tokens = split[0]
+    # context: "compressed" (SharedLLM), "none" (the upper model on X_D alone) or "full" (model.upper, the base LLaMA, with
+    # plain causal attention over X_C + X_D as one sequence: the ceiling while that fits the base model's window)
     losses, scored = [], 0
     for i in range(0, len(windows), batch_size):
-        rows = [torch.from_numpy(tokens[p + K - T - n * C: p + K + 1].astype(np.int64)) for _, p in windows[i:i + batch_size]]
-        w = torch.stack(rows).to(dev)                                  # (B, n*C + T + 1)
-        tgt = w[:, -K:]                                                # (B, K): the scored tokens
+        w = torch.stack([window_tokens(split[0], p, n, C, T, K) for _, p in windows[i:i + batch_size]]).to(dev)
+        tgt = w[:, -K:]                                                # (B, K): the scored tokens [p+1, p+K+1)
         if context == "full":
             logits, _ = model.upper(w[:, :-1], last=K)
         else:
-            ctx = w[:, : n * C].view(len(rows), n, C) if context == "compressed" and n > 0 else None
+            ctx = w[:, : n * C].view(len(w), n, C) if context == "compressed" and n > 0 else None
             logits, _ = model(ctx, w[:, n * C:-1])                     # X_D: (B, T)
         nll = torch.nn.functional.cross_entropy(logits[:, -K:].transpose(1, 2), tgt, reduction="none")
         losses += nll.mean(1).tolist()                                 # (B,) one mean per window
@@ -100,12 +106,14 @@ def score_ppl(model, split, windows, n, C, T, K, context, batch_size, dev):
     return math.exp(sum(losses) / len(losses)), scored
 
 
-def run_ppl(model, splits, ns, C, T, K, g, dev):
+def run_ppl(model, splits, ns, C, T, K, g, dev, full_model=None):
+    # full_model: what runs full attention, if asked for (.upper: the unchanged base model; .label: which that is)
     windows = ppl_windows(splits["val"], max(ns), C, T, K, g["max_windows"])
     window = model.upper.cfg.max_seq_len
     print(f"ppl protocol: {len(windows)} windows from the validation documents (placed for {max(ns)} chunks, so "
-          f"every row scores the same tokens); X_D = T = {T} tokens, the last K = {K} scored per window; 'full' = "
-          f"the base model with plain attention over X_C + X_D (its window: {window:,} tokens)")
+          f"every row scores the same tokens); X_D = T = {T} tokens, the last K = {K} scored per window" + (
+          f"; 'full' = {full_model.label} with plain attention over X_C + X_D (its window: {window:,} tokens)"
+          if full_model else ""))
     print(f"{'chunks':>7} {'context tok':>11} {'windows':>7} {'scored tok':>10} {'ppl with':>9} {'ppl without':>11} "
           f"{'ratio':>6} {'ppl full':>9} {'gap closed':>10}")
     res, base, last_full = [], None, None
@@ -115,13 +123,13 @@ def run_ppl(model, splits, ns, C, T, K, g, dev):
         if base is None:   # without the context the upper model sees the same X_D: one number for every row
             base, _ = score_ppl(model, splits["val"], windows, n, C, T, K, "none", g["batch_size"], dev)
         full, note = None, ""
-        if g["full"]:   # attention is quadratic: predict this row's time from the last one before running it
+        if full_model:   # attention is quadratic: predict this row's time from the last one before running it
             guess = last_full[1] * ((n * C + T) / (last_full[0] * C + T)) ** 2 if last_full else 0
             if guess > g["full_budget_s"]:
                 note = f"full attention skipped: ~{guess:.0f} s > --full_budget_s={g['full_budget_s']:g}"
             else:
                 t1 = time.time()
-                full, _ = score_ppl(model, splits["val"], windows, n, C, T, K, "full", g["batch_size"], dev)
+                full, _ = score_ppl(full_model, splits["val"], windows, n, C, T, K, "full", g["batch_size"], dev)
                 last_full = (n, time.time() - t1)
                 note = "beyond the base window" if n * C + T > window else ""
         closed = (math.log(base) - math.log(with_c)) / (math.log(base) - math.log(full)) if full and full < base else None
@@ -173,7 +181,7 @@ def heatmap(grid, ns, ds, C):
     return "\n".join(lines)
 
 
-def run_passkey(model, tok, ns, C, g, dev, quiet=False):
+def run_passkey(model, tok, ns, C, g, dev, quiet=False, full_model=None):
     ds = [float(x) for x in g["depths"].split(",")]
     window, question = model.upper.cfg.max_seq_len, sum(map(len, data.passkey_question(tok, 99999))) + 4
     grid, full, res = {}, {}, []
@@ -182,8 +190,8 @@ def run_passkey(model, tok, ns, C, g, dev, quiet=False):
             grid[n, d] = passkey_accuracy(model, tok, n, C, d, band(g, ds), g["samples"], g["batch_size"], g["seed"], dev)
             r = dict(n_chunks=n, context_tokens=n * C, depth=d, depth_band=band(g, ds), accuracy=grid[n, d],
                      samples=g["samples"])
-            if g["full"] and n * C + question <= window:
-                r["full_attention"] = full[n, d] = passkey_accuracy(model, tok, n, C, d, band(g, ds), g["samples"],
+            if full_model and n * C + question <= window:
+                r["full_attention"] = full[n, d] = passkey_accuracy(full_model, tok, n, C, d, band(g, ds), g["samples"],
                                                                     g["batch_size"], g["seed"], dev, full=True)
             res.append(r)
     if not quiet:
@@ -192,7 +200,7 @@ def run_passkey(model, tok, ns, C, g, dev, quiet=False):
         print(heatmap(grid, ns, ds, C))
         if full:
             inside = [n for n in ns if (n, ds[0]) in full]
-            print(f"full attention by the base model over the same haystacks (within its window of {window:,} tokens):")
+            print(f"full attention by {full_model.label} over the same haystacks (within its window of {window:,} tokens):")
             print(heatmap(full, inside, ds, C))
         plots.passkey_heatmap((g["out"] or "passkey.json").rsplit(".", 1)[0] + ".png", grid, ns, ds, C)
     return res
@@ -302,10 +310,14 @@ def main(g):
                 print(f"chunk counts {[n for n in ns if n not in fit]} left out: the longest validation document has "
                       f"{longest:,} tokens (a window needs n x {C} + T={T} + 1)")
             ns = fit or ns   # none fits: the error below names the longest document
+        full_model = None
+        if g["full"]:   # full attention is the unchanged base model's, whatever trained
+            upper, label = base_model(package_path(g["init_from"]), model, train_cfg, dev, getattr(torch, dt))
+            full_model = types.SimpleNamespace(upper=upper, label=label)
         if g["task"] == "ppl":
-            res = run_ppl(model, splits, ns, C, T, K, g, dev)
+            res = run_ppl(model, splits, ns, C, T, K, g, dev, full_model)
         elif g["task"] == "passkey":
-            res = run_passkey(model, tok, ns, C, g, dev)
+            res = run_passkey(model, tok, ns, C, g, dev, full_model=full_model)
         else:
             res = run_ablations(model, tok, splits, ns, C, T, K, g, dev, train_cfg.get("task", ""))
     except (ValueError, FileNotFoundError) as e:
@@ -313,7 +325,8 @@ def main(g):
     print(f"{g['task']} eval took {time.time() - t0:.1f} s")
     if g["out"]:
         with open(g["out"], "w") as f:
-            json.dump(dict(task=g["task"], config={**g, "shared": model.scfg.__dict__, "T": T, "K": K, "device": dev},
+            json.dump(dict(task=g["task"], config={**g, "shared": model.scfg.__dict__, "T": T, "K": K, "device": dev,
+                                                   "full_attention_model": full_model and full_model.label},
                            results=res), f, indent=1)
         print(f"wrote {g['out']}")
     return res

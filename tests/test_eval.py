@@ -48,6 +48,9 @@ def test_ppl_windows_count_and_stay_inside_documents():
         assert p + K - T - 4 * C >= a and p + K + 1 <= b     # X_C of 4 chunks, X_D and the last target: one document
     assert len(wins) == len(range(0 + 64 + 16, 500 - 8, 8)) + len(range(580 + 80, 2000 - 8, 8))   # doc 2 < 4*16+24+1
     assert len(E.ppl_windows(split, 4, C, T, K, max_windows=7)) == 7
+    for _, p in wins[:5]:   # X_D = [p+K-T, p+K): its last K positions [p, p+K) predict the scored tokens [p+1, p+K+1)
+        row = E.window_tokens(split[0], p, 4, C, T, K).numpy()
+        assert (row[4 * C:4 * C + T] == np.arange(p + K - T, p + K)).all() and (row[-K:] == np.arange(p + 1, p + K + 1)).all()
     with pytest.raises(ValueError, match="no validation document has 1625 tokens"):
         E.ppl_windows(split, 100, C, T, K, 10)
 
@@ -269,3 +272,12 @@ def test_clamp_at_inference_uses_the_trained_distance(micro_ckpt, tmp_path, monk
         assert want in capsys.readouterr().out, args
     assert "max_chunk_dist = -1; expected at least 1" in error_of(
         E, [f"--init_from={micro_ckpt}", "--chunk_ids=clamp", "--max_chunk_dist=-1"], tmp_path, monkeypatch)
+
+
+def test_full_attention_of_a_model_trained_from_scratch_says_what_it_is(micro_ckpt, capsys):
+    # no unchanged base exists: the column is labelled as this checkpoint's own (trained) upper model
+    cfg = parse_overrides([f"--init_from={micro_ckpt}", "--task=passkey", "--chunks=2", "--full=True", "--samples=2",
+                           "--depths=0", "--device=cpu"], config_of(vars(E)), E.__file__)
+    res = E.main(cfg)
+    assert "full attention by this checkpoint's own upper model (train='all' trained it; the checkpoint holds no " \
+           "unchanged base)" in capsys.readouterr().out and "full_attention" in res[0]

@@ -56,3 +56,26 @@ def test_smoke_train_resume_sample_eval_with_light_checkpoints(tmp_path, capsys)
         S.main(cfg)
     with pytest.raises(SystemExit, match="those files have changed since"):
         train_in_process(common + [f"--out_dir={part}", "--init_from=resume", "--max_iters=6"], tmp_path)
+
+
+def test_full_attention_is_the_unchanged_base_model(tmp_path, capsys):
+    # --train=upper changes the upper model's weights; eval.py --full must still run the base checkpoint as it was
+    import types
+    import data
+    from load_llama import load_llama, load_tokenizer
+    ck, docs = tiny_llama_and_docs(tmp_path)
+    train_in_process([f"--init_from={ck}", "--train=upper", "--task=lm", f"--data_dir={docs}", "--n_lower=1",
+                      "--chunk_size=32", "--n_chunks=2", "--chunk_schedule=", "--beta_schedule=", "--block_size=32",
+                      "--batch_size=2", "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--eval_chunks=2",
+                      "--final_eval_chunks=", "--final_eval_iters=0", "--learning_rate=1e-2", "--warmup_iters=1",
+                      "--device=cpu", f"--out_dir={tmp_path / 'out'}"], tmp_path)
+    res = E.main(parse_overrides([f"--init_from={tmp_path / 'out'}", "--task=ppl", "--chunks=2", "--full=True",
+                                  "--max_windows=3"], config_of(vars(E)), E.__file__))
+    assert f"'full' = the base model {ck} with plain attention" in capsys.readouterr().out
+    splits = data.prepare(load_tokenizer(str(ck)), str(docs))
+    windows = E.ppl_windows(splits["val"], 2, 32, 32, 16, 3)
+    by_hand = {}
+    for name, upper in [("base", load_llama(str(ck))), ("trained", S.load_sharedllm(str(tmp_path / "out"))[0].upper)]:
+        by_hand[name] = E.score_ppl(types.SimpleNamespace(upper=upper), splits["val"], windows, 2, 32, 32, 16, "full", 8,
+                                    "cpu")[0]
+    assert res[0]["full_attention"] == by_hand["base"] and abs(by_hand["trained"] / by_hand["base"] - 1) > 1e-3

@@ -67,19 +67,39 @@ def test_gguf_matches_transformers_gguf_loader_and_knows_paris(smollm):
     assert tok.decode(out[0, len(prompt):].tolist()).startswith(" Paris")
 
 
+# SmolLM2's published tokenizer.json pre-tokenizer, written out here rather than taken from tokenizer.py: digits one by
+# one, then GPT-2's byte-level regex over each piece
+SMOLLM2_PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
+    {"type": "Digits", "individual_digits": True},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+
+
 @real
 def test_tokenizer_equals_hf_tokenizers_on_200k_tokens(smollm, tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     _, tok = smollm
+    # the reference: HF's own BPE over the checkpoint's vocabulary, merges and special tokens (data read from the GGUF),
+    # with the pre-tokenizer above: nothing of tokenizer.py's logic is in it
+    ref = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
+           "added_tokens": [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for c, i in sorted(tok.specials.items(), key=lambda x: x[1])],
+           "pre_tokenizer": SMOLLM2_PRE_TOKENIZER,
+           "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                     "vocab": tok.vocab, "merges": [list(m) for m in tok.merges]}}
     path = tmp_path / "tokenizer.json"
-    path.write_text(json.dumps(T.to_tokenizer_json(tok), ensure_ascii=False), encoding="utf-8")
-    hf = tokenizers.Tokenizer.from_file(str(path))        # HF's own BPE over the checkpoint's vocabulary and merges
+    path.write_text(json.dumps(ref, ensure_ascii=False), encoding="utf-8")
+    hf = tokenizers.Tokenizer.from_file(str(path))
     texts, n = real_text(200_000, tok)
+    # whitespace runs before digits (indented numbers in code, aligned columns): where a plain GPT-2 split differs
+    texts.append("x = [1,  22,   333]\n    42\n\t\t7 a\u00a0 9\n" + "".join(f"{' ' * (i % 5)}{i}," for i in range(300)))
     for t in texts:
         ours = tok.encode(t, bos=False)
         assert ours == hf.encode(t, add_special_tokens=False).ids
         assert tok.decode(ours) == t.replace("\x04", "")   # \x04 has no token in this vocabulary: dropped, as HF does
     print(f"tokenizer: {n:,} tokens identical to HF tokenizers")
+    assert T.to_tokenizer_json(tok)["pre_tokenizer"] == SMOLLM2_PRE_TOKENIZER   # what --save_hf writes is SmolLM2's
     # transformers' own GGUF tokenizer leaves out the digit split of llama.cpp's "smollm" pre-tokenizer, so it
     # agrees wherever no run of whitespace stands before a digit
     transformers = pytest.importorskip("transformers")
