@@ -407,21 +407,25 @@ def sample_next(logits, temperature=0.0, top_k=None, top_p=None):
 
 @dataclass
 class SharedConfig:
+    # The recommended settings, the same as train.py's default recipe (a test keeps them equal); where the paper's
+    # differ, the comment says so (docs/differences.md has the table). Sizes (M, C) are the paper's LLaMA-2 ones.
     n_lower: int = 4          # M: layers of the lower model = cross-attention layers of the upper (paper: 4 LM, 16 SFT)
     chunk_size: int = 1024    # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
     height: int = 3           # h: levels of the context tree below the root
     beta: int = 8             # overall compression: C / (KVs kept per chunk)
-    policy: str = "right"     # which child to expand: "right" (language modeling) or "query" (cosine with the query)
+    policy: str = "query"     # which child to expand: "query" (cosine with the query; a row with no query, as in language
+                              # modeling, goes right) or "right" (always the most recent half: the paper's LM policy)
     keep: str = "last"        # which token of each stride window keeps its KV: "last", or "first" (released code)
-    noise: float = 5.0        # training-time split noise, sigma = l / noise (paper: 5 LM, 10 SFT); 0 = exact halves
-    chunk_ids: str = "plain"  # chunk-level position ids in cross-attention (Eq. 2): "plain" (keys of chunk i at i,
-                              # queries at n); "clamp" (plain for the max_chunk_dist most recent chunks, every older
+    noise: float = 0.0        # training-time split noise, sigma = l / noise; 0 = exact halves (paper: 5 LM, 10 SFT)
+    chunk_ids: str = "clamp"  # chunk-level position ids in cross-attention (Eq. 2): "plain" (the paper: keys of chunk i
+                              # at i, queries at n); "clamp" (plain for the max_chunk_dist most recent chunks, every older
                               # chunk at that largest distance: no query-key distance beyond what training saw);
                               # "random" (plain at inference; in training each sample's chunks sit at sorted random
                               # ids up to max_chunk_id, the queries right after the last one); or "off" (the ablation)
     max_chunk_dist: int = 4   # "clamp": the largest chunk distance a query sees; logn_scale: the trained n (train.py:
                               # its n_chunks)
-    logn_scale: bool = True   # beyond max_chunk_dist chunks, scale cross-attention queries by log(keys)/log(trained keys)
+    logn_scale: bool = False  # (not in the paper) beyond max_chunk_dist chunks, scale cross-attention queries by
+                              # log(keys) / log(trained keys)
     max_chunk_id: int = 1024  # "random": the largest id drawn in training, so the longest context that stays in
                               # distribution is max_chunk_id chunks
     inject: str = "bottom"    # which upper layers cross-attend: "bottom" M, "top" M, or "interleaved" every N/M

@@ -138,9 +138,7 @@ def main():
 
     # -------------------------------------------------------------------------
     # model and tokenizer
-    scfg = dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy, keep=keep,
-                noise=noise, chunk_ids=chunk_ids, max_chunk_dist=max_chunk_dist or n_chunks, max_chunk_id=max_chunk_id,
-                logn_scale=logn_scale, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
+    scfg = shared_config()
     ckpt, base = None, None
     if init_from == "scratch":
         tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: load_tokenizer(tokenizer))()
@@ -448,6 +446,13 @@ def main():
     if ddp:
         torch.distributed.barrier()   # the others wait for rank 0's last eval and checkpoint: no rank tears down early
         torch.distributed.destroy_process_group()
+
+
+def shared_config():
+    # this run's model.SharedConfig settings, from the config block
+    return dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy, keep=keep, noise=noise,
+                chunk_ids=chunk_ids, max_chunk_dist=max_chunk_dist or n_chunks, max_chunk_id=max_chunk_id,
+                logn_scale=logn_scale, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
 
 
 def parse_schedule(name, spec):   # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)]

@@ -117,3 +117,16 @@ def test_package_paths_and_corpus_globs(tmp_path):
     assert len(data.corpus_files(str(tmp_path))) == 3
     with pytest.raises(FileNotFoundError, match="matches no file"):
         data.corpus_files(str(tmp_path / "*.md"))
+
+
+def test_the_readme_example_and_sharedconfig_defaults_are_the_default_recipe():
+    # one source of truth: what SharedLLM.from_llama(llama, n_lower=..., chunk_size=...) builds, as the README shows it
+    # (and as sample.py / eval.py / bench.py build a LLaMA folder), has the settings `python train.py` trains with
+    from dataclasses import asdict
+    import model as M
+    line = next(l for l in open(os.path.join(ROOT, "README.md")) if "SharedLLM.from_llama(" in l)
+    call = ast.parse(line[line.index("SharedLLM.from_llama("):line.rindex(")") + 1]).body[0].value
+    given = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    assert set(given) == {"n_lower", "chunk_size"}                          # sizes only: the model's, not the method's
+    example, recipe = asdict(M.SharedConfig(**given)), train.shared_config()
+    assert {k: v for k, v in example.items() if k not in given} == {k: v for k, v in recipe.items() if k not in given}

@@ -16,7 +16,7 @@ def build(seed=0, wo_scale=0.0, **kw):
     torch.manual_seed(seed)
     base = M.Llama(M.preset("micro", n_layers=3)).eval()
     ref = copy.deepcopy(base)
-    cfg = dict(n_lower=2, chunk_size=64, height=3, beta=4)
+    cfg = dict(n_lower=2, chunk_size=64, height=3, beta=4, policy="right", noise=5.0, chunk_ids="plain", logn_scale=True)
     s = M.SharedLLM.from_llama(base, **{**cfg, **kw}).eval()
     if wo_scale:   # a trained-looking cross-attention, so the context actually changes the output
         for blk in s.upper.layers:

@@ -48,7 +48,7 @@ def test_log_file_schema_and_a_resumed_run_continues_it(micro_run):
     steps, evals = [r for r in records if "loss" in r], [r for r in records if "eval" in r]
     assert [r["iter"] for r in steps] == [1, 2, 3, 4] and [r["iter"] for r in evals] == [2, 4]   # stop at 2, resume
     for r in steps:
-        assert set(r) == {"iter", "loss", "lr", "ms_per_iter", "tok_per_s", "mfu", "chunks", "beta", "minutes"}
+        assert set(r) == {"iter", "loss", "lr", "ms_per_iter", "tok_per_s", "mfu", "peak_flops", "chunks", "beta", "minutes"}
         assert set(r["loss"]) <= {"passkey", "lm"} and all(v > 0 for v in r["loss"].values())
     assert "lm" in steps[-1]["loss"] and set(steps[0]["loss"]) == {"passkey"}   # text batches join at lm_from
     assert set(evals[0]["eval"]) == {"passkey@2", "passkey_noctx@2"} and "ppl_ratio@2" in evals[1]["eval"]
@@ -85,7 +85,7 @@ def test_attention_picture_weights_are_what_the_layer_reads(tmp_path):
     # the drawn weights, applied to the layer's values and output projection, give the layer's own output
     torch.manual_seed(0)
     s = M.SharedLLM.from_llama(M.Llama(M.preset("micro", n_layers=3)), n_lower=2, chunk_size=32, height=2, beta=4,
-                               policy="query", chunk_ids="clamp", max_chunk_dist=2).eval()
+                               policy="query", chunk_ids="clamp", max_chunk_dist=2, logn_scale=True).eval()
     for p in s.parameters():
         torch.nn.init.normal_(p, std=0.3)
     ctx, idx = torch.randint(0, 258, (1, 5, 32)), torch.randint(0, 258, (1, 9))
