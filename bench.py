@@ -20,7 +20,7 @@ import torch
 
 import model as M
 import tree
-from configurator import auto_device, config_of, package_path, parse_overrides, peak_flops
+from configurator import auto_device, check_ranges, config_of, out_file, package_path, parse_overrides, peak_flops
 from checkpoint import load_sharedllm
 from load_llama import llama_config
 
@@ -33,7 +33,7 @@ shape = ""                  # ... or a real model's: a PRESETS key (smollm2-135m
 lengths = "4096,8192,16384,32768,65536,131072"   # context tokens X_C swept (each a multiple of chunk_size)
 block_size = 256            # T: running-text tokens X_D
 n_lower = 2                 # M
-chunk_size = 1024           # C (the paper's)
+chunk_size = 1024           # C (the paper's; a train.py checkpoint keeps its own)
 height = 3
 beta = 8
 policy = "right"            # the length sweep's policy (the paper's Figure 3 is language modeling)
@@ -114,7 +114,8 @@ def build(g, dev, dt, **over):
     shared = dict(n_lower=g["n_lower"], chunk_size=g["chunk_size"], height=g["height"], beta=g["beta"], policy=g["policy"])
     shared.update(over)
     if g["init_from"]:
-        m, _, _ = load_sharedllm(package_path(g["init_from"]), dev, dt, **{k: v for k, v in shared.items() if k != "n_lower"})
+        fixed = ("n_lower", "chunk_size")   # what the checkpoint was trained with
+        m, _, _ = load_sharedllm(package_path(g["init_from"]), dev, dt, **{k: v for k, v in shared.items() if k not in fixed})
         return m
     torch.manual_seed(g["seed"])
     shape = g["shape"] or g["preset"]
@@ -129,10 +130,19 @@ def build(g, dev, dt, **over):
 def main(g):
     dev, dt = auto_device(g["device"], g["dtype"])
     dt = getattr(torch, dt)
-    if g["quick"]:
-        g.update(lengths="2048,4096", knob_length=4096, repeats=1)
+    check_ranges(g, dict(block_size=(1, float("inf")), knob_length=(1, float("inf")), repeats=(1, float("inf"))))
+    out_file(g["out"])
     try:
         lengths = [int(x) for x in g["lengths"].split(",")]
+        assert all(L >= 1 for L in lengths)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"bench.py: --lengths={g['lengths']}: expected positive integers like 4096,8192") from None
+    if g["quick"]:
+        print(f"note: --quick measures at 2,048 and 4,096 context tokens, once each (--lengths, --knob_length and "
+              f"--repeats are set by it)")
+        g.update(lengths="2048,4096", knob_length=4096, repeats=1)
+        lengths = [2048, 4096]
+    try:
         if g["init_from"] and g["shape"]:
             raise ValueError(f"--init_from={g['init_from']} and --shape={g['shape']}: give one (real weights, or a "
                              "shape with random ones)")

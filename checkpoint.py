@@ -81,21 +81,26 @@ def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
     # LLaMA folder or .gguf file (untrained cross-attention: exactly the base model until trained). shared: SharedConfig
     # overrides at inference (height, beta, policy, ...). Returns (model in eval mode, tokenizer, train config).
     ckpt_file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-    if os.path.isfile(ckpt_file):
+    if os.path.isfile(ckpt_file) and not path.endswith(".gguf"):
         ck = read_checkpoint(ckpt_file)
         try:
             args, train_cfg, spec = ck["model_args"], ck["config"], ck["tokenizer"]
         except (KeyError, TypeError) as e:
             raise ValueError(f"{ckpt_file}: not a train.py checkpoint (no {e})") from None
-        if "n_lower" in shared and shared["n_lower"] != args["shared"]["n_lower"]:
-            raise ValueError(f"n_lower (M) = {shared['n_lower']}: {ckpt_file} was trained with M = "
-                             f"{args['shared']['n_lower']} cross-attention layers; M is fixed by the checkpoint")
+        for name, what in (("n_lower", "M"), ("chunk_size", "C")):   # what the weights were trained for
+            if name in shared and shared[name] != args["shared"][name]:
+                raise ValueError(f"{name} ({what}) = {shared[name]}: {ckpt_file} was trained with {what} = "
+                                 f"{args['shared'][name]}; {what} is fixed by the checkpoint")
+        model = sharedllm_from_checkpoint(ck, ckpt_file, dtype)   # first: a light one's missing base is named as such
+        model.base_checkpoint = ck.get("base")                     # (path, sha256) of a light checkpoint's base
         tok = tokenizer_from_spec(spec)
-        model = sharedllm_from_checkpoint(ck, ckpt_file, dtype)
         model.scfg = M.SharedConfig(**{**args["shared"], **shared})   # inference-time settings only: no new weights
     elif path.endswith(".gguf") or os.path.isfile(os.path.join(path, "config.json")):
         tok, train_cfg = load_tokenizer(path), {}
         model = M.SharedLLM(load_llama(path, "cpu", dtype), M.SharedConfig(**shared))
+        model.base_checkpoint = None
+    elif not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file or folder")
     else:
         raise FileNotFoundError(f"{path}: neither a train.py checkpoint (ckpt.pt) nor a LLaMA folder (config.json) "
                                 "or .gguf file")
@@ -105,16 +110,18 @@ def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
     return model.to(device=device, dtype=dtype).eval(), tok, train_cfg
 
 
-def base_model(path, model, train_cfg, device="cpu", dtype=torch.float32):
-    # The unchanged base LLaMA of what load_sharedllm(path) returned, for a baseline like full attention, with a label
-    # that says what it is. -> (Llama, label). Only cross-attention trained (or nothing: a LLaMA folder): the upper model
-    # IS the base. Else a light checkpoint's base is loaded again, as it was (load_sharedllm checked its sha256). A full
-    # checkpoint whose upper layers trained holds no unchanged base: its own upper model, labelled as such.
+def base_model(model, train_cfg, device="cpu", dtype=torch.float32):
+    # The unchanged base LLaMA of what load_sharedllm returned, for a baseline like full attention, with a label that
+    # says what it is. -> (Llama, label). Only cross-attention trained (or nothing: a LLaMA folder): the upper model IS
+    # the base. Else a light checkpoint's base is loaded again, as it was (load_sharedllm checked its sha256). A model
+    # trained from scratch, or a full checkpoint whose upper layers trained, has no unchanged base: its own upper model,
+    # labelled as such.
     trained = train_cfg.get("train", "cross")
+    if train_cfg.get("init_from") == "scratch":
+        return model.upper, "this checkpoint's own upper model (trained from scratch: there is no pretrained base)"
     if trained == "cross":
         return model.upper, "the base model (only cross-attention trained)" if train_cfg else "the base model"
-    ckpt_file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-    base = read_checkpoint(ckpt_file).get("base")
+    base = model.base_checkpoint
     if base:
         return load_llama(base["path"], "cpu", dtype).to(device).eval(), f"the base model {base['path']}"
     return model.upper, (f"this checkpoint's own upper model (train={trained!r} trained it; the checkpoint holds no "

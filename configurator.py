@@ -40,7 +40,8 @@ def checked(key, value, config, where):
             raise ValueError   # a bool is not a number, and 1e-3 for an int setting is a mistake, not a 0
         return type(default)(value)
     except (ValueError, TypeError):
-        raise SystemExit(f"{where}: expected a {type(default).__name__} (default {default!r})") from None
+        article = "an" if type(default).__name__[0] in "aeiou" else "a"
+        raise SystemExit(f"{where}: expected {article} {type(default).__name__} (default {default!r})") from None
 
 
 def parse_overrides(argv, config, script):
@@ -86,12 +87,38 @@ def package_path(path):
 
 def auto_device(device, dtype):
     # "auto": cuda, else cpu; bfloat16 where CUDA supports it, else float32 (never float16 by default). Apple's "mps" is
-    # used only when asked for by name: nothing here has been tested on it.
+    # used only when asked for by name: nothing here has been tested on it. A device this machine lacks, or a dtype
+    # that is not one of these, is an error naming the flag.
+    kind = device.split(":")[0]
+    if kind not in ("auto", "cpu", "cuda", "mps") or (":" in device and (kind != "cuda" or not device[5:].isdigit())):
+        raise SystemExit(f"--device={device}: expected auto, cpu, cuda, cuda:N or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device={device}: CUDA is not available on this machine; use --device=cpu (or auto)")
+    if kind == "cuda" and ":" in device and int(device[5:]) >= torch.cuda.device_count():
+        raise SystemExit(f"--device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise SystemExit(f"--device={device}: this PyTorch build or machine has no MPS support; use --device=cpu")
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise SystemExit(f"--dtype={dtype}: expected auto, float32, bfloat16 or float16")
     dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if dev == "mps":
         print("device mps: asked for by name; this project's tests run on CPU and none on MPS")
     dt = dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
     return dev, dt
+
+
+def check_ranges(values, rules):
+    # values: a script's settings; rules: {name: (lo, hi)}, both ends allowed. A value outside is an error naming it.
+    for name, (lo, hi) in rules.items():
+        if not lo <= values[name] <= hi:   # (a NaN fails every comparison, so it is refused too)
+            raise SystemExit(f"--{name}={values[name]}: expected a value in [{lo}, {hi}]")
+
+
+def out_file(path, flag="--out"):
+    # a file a script writes at the end: its folder is checked at the start, not after the work is done
+    folder = os.path.dirname(os.path.abspath(path))
+    if path and not os.path.isdir(folder):
+        raise SystemExit(f"{flag}={path}: the folder {folder} does not exist")
 
 
 def peak_flops(dev_type, dt, n=None, trials=10):

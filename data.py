@@ -27,6 +27,9 @@ QUESTION = "What is the pass key? The pass key is "   # then the key, tokenized 
 
 def corpus_files(data_dir=""):
     if data_dir:   # a folder (every .txt below it) or a glob pattern
+        if not glob.has_magic(data_dir) and not os.path.isdir(data_dir):
+            raise FileNotFoundError(f"data_dir={data_dir!r}: " + ("a file; give a folder of .txt files or a glob like "
+                                    "dir/*.txt" if os.path.exists(data_dir) else "no such folder"))
         pattern = data_dir if glob.has_magic(data_dir) else os.path.join(data_dir, "**", "*.txt")
         files = sorted(glob.glob(pattern, recursive=True))
         if not files:

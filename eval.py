@@ -25,7 +25,7 @@ import torch
 
 import data
 import plots
-from configurator import auto_device, config_of, package_path, parse_overrides
+from configurator import auto_device, check_ranges, config_of, out_file, package_path, parse_overrides
 from checkpoint import base_model, load_sharedllm
 
 # -----------------------------------------------------------------------------
@@ -223,7 +223,10 @@ def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
         if "=" not in part:
             raise ValueError(f"--compare={g['compare']}: expected label=out_dir;label=out_dir")
         label, path = part.rsplit("=", 1)   # the label may hold "=", the path rarely does
-        other, other_tok, _ = load_sharedllm(path, dev, model.upper.output.weight.dtype)
+        try:
+            other, other_tok, _ = load_sharedllm(path, dev, model.upper.output.weight.dtype)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"--compare={part}: {e}") from None
         if other.scfg.chunk_size != C or other_tok.spec != tok.spec:
             raise ValueError(f"--compare: {path} has chunk_size {other.scfg.chunk_size} and tokenizer {other_tok.spec}; "
                              f"expected {C} and {tok.spec}")
@@ -266,6 +269,19 @@ def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
 
 def main(g):
     dev, dt = auto_device(g["device"], g["dtype"])
+    inf = float("inf")
+    check_ranges(g, dict(samples=(1, inf), batch_size=(1, inf), block_size=(0, inf), max_windows=(1, inf),
+                         score_last=(0, inf)))
+    if g["depth_band"] != -1 and not 0 <= g["depth_band"] <= 1:
+        raise SystemExit(f"eval.py: --depth_band={g['depth_band']}: expected -1 (the grid's spacing) or a value in [0, 1]")
+    try:
+        depths = [float(x) for x in g["depths"].split(",")]
+        assert all(0 <= d <= 1 for d in depths)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"eval.py: --depths={g['depths']}: expected depths in [0, 1] like 0,0.5,1") from None
+    out_file(g["out"])
+    if g["compare"] and g["task"] != "ablations":
+        print(f"note: --compare is read by --task=ablations only; --task={g['task']} leaves it out")
     if g["task"] not in ("ppl", "passkey", "ablations"):
         raise SystemExit(f"eval.py: --task={g['task']}: expected ppl, passkey or ablations")
     if g["chunk_ids"] not in ("", "plain", "clamp", "random", "off"):
@@ -312,7 +328,7 @@ def main(g):
             ns = fit or ns   # none fits: the error below names the longest document
         full_model = None
         if g["full"]:   # full attention is the unchanged base model's, whatever trained
-            upper, label = base_model(package_path(g["init_from"]), model, train_cfg, dev, getattr(torch, dt))
+            upper, label = base_model(model, train_cfg, dev, getattr(torch, dt))
             full_model = types.SimpleNamespace(upper=upper, label=label)
         if g["task"] == "ppl":
             res = run_ppl(model, splits, ns, C, T, K, g, dev, full_model)

@@ -52,16 +52,21 @@ def names(table, cfg):
     return {t: o for t, o in out.items() if not (cfg.tie_embeddings and o == "output.weight")}
 
 
+def config_json(ckpt_dir):
+    path = os.path.join(ckpt_dir, "config.json")
+    try:
+        return json.load(open(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
 def config_from_hf(ckpt_dir):
     path = os.path.join(ckpt_dir, "config.json")
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"checkpoint folder not found: {ckpt_dir}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {ckpt_dir} (expected a Hugging Face-layout LLaMA folder)")
-    try:
-        c = json.load(open(path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    c = config_json(ckpt_dir)
     if c.get("model_type", "llama") != "llama":
         raise ValueError(f"{path}: model_type is {c['model_type']!r}, expected 'llama'")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
@@ -277,7 +282,7 @@ def load_tokenizer(path):
     ids = {}
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):
-            c = json.load(open(os.path.join(path, "config.json")))
+            c = config_json(path)
             eos = c.get("eos_token_id")   # Llama-3.1 Instruct lists several stop ids: the first ends generation here
             ids = dict(bos_id=c.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) and eos else eos)
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -311,8 +316,21 @@ if __name__ == "__main__":
     ap.add_argument("--max_new_tokens", type=int, default=20)
     ap.add_argument("--save_hf", default="", help="write the checkpoint here as an HF-layout folder (safetensors)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, else float32)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="default: bfloat16 on CUDA, else float32")
     args = ap.parse_args()
+    if args.max_new_tokens < 0:
+        ap.error(f"--max_new_tokens={args.max_new_tokens}: expected 0 or more")
+    if args.device.split(":")[0] not in ("cpu", "cuda", "mps") or (args.device.startswith("cuda") and not
+                                                                      torch.cuda.is_available()) or (
+            args.device == "mps" and not torch.backends.mps.is_available()):
+        ap.error(f"--device={args.device}: expected cpu, or cuda / cuda:N / mps where this machine has it")
+    if not os.path.exists(args.path):
+        ap.error(f"{args.path}: no such file or folder")
+    if args.path.endswith(".pt") or os.path.isfile(os.path.join(args.path, "ckpt.pt")):
+        ap.error(f"{args.path}: a train.py checkpoint; sample.py and eval.py read it (--init_from={args.path})")
+    if not args.path.endswith(".gguf") and not os.path.isfile(os.path.join(args.path, "config.json")):
+        ap.error(f"{args.path}: expected a Hugging Face-layout LLaMA folder (with config.json) or a .gguf file")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") and not args.save_hf else "float32"))
     try:
         tok = load_tokenizer(args.path)

@@ -439,9 +439,20 @@ class SharedConfig:
                               ("inject", ("bottom", "top", "interleaved")), ("lower", ("shared", "copy"))]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SharedConfig.{name} = {getattr(self, name)!r}; expected one of {allowed}")
-        if self.max_chunk_dist < 1:
-            raise ValueError(f"SharedConfig.max_chunk_dist = {self.max_chunk_dist}; expected at least 1")
-        tree.node_budget(self.chunk_size, self.height, self.beta)   # fails early on impossible shapes
+        for name in ("n_lower", "chunk_size", "height", "beta", "max_chunk_dist"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SharedConfig.{name} = {getattr(self, name)}; expected at least 1")
+        if not self.noise >= 0:
+            raise ValueError(f"SharedConfig.noise = {self.noise}; expected 0 (off) or a positive value")
+        try:   # an impossible shape fails here, once, not in the middle of a run
+            tree.search(1, self.chunk_size, self.height, self.beta)
+        except AssertionError as e:
+            raise ValueError(f"SharedConfig: chunk_size {self.chunk_size}, height {self.height}, beta {self.beta}: "
+                             f"{e}") from None
+        if round(self.chunk_size / self.beta) < self.height + 1:   # else node_budget would keep more than C / beta
+            raise ValueError(f"SharedConfig.beta = {self.beta}: a tree of height {self.height} keeps at least one KV in "
+                             f"each of its {self.height + 1} nodes, so a chunk of {self.chunk_size} tokens allows beta "
+                             f"up to {self.chunk_size // (self.height + 1)}")
 
 
 @dataclass

@@ -155,8 +155,21 @@ def read_log(path):
     path = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         raise SystemExit(f"{path}: no training log there (train.py writes out_dir/log.jsonl)")
-    records = [json.loads(line) for line in open(path) if line.strip()]
-    return [r for r in records if "loss" in r], [r for r in records if "eval" in r]
+    lines = [line for line in open(path) if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i < len(lines) - 1:   # a broken last line is a run stopped while writing it: the rest is good
+                raise SystemExit(f"{path} line {i + 1}: not JSON ({e}); is this a train.py log?") from None
+            print(f"note: {path}: the last line is cut short (the run stopped while writing it) and is left out")
+    steps, evals = [r for r in records if isinstance(r, dict) and "loss" in r], \
+        [r for r in records if isinstance(r, dict) and "eval" in r]
+    if not steps and not evals:
+        raise SystemExit(f"{path}: no training records in it (train.py writes a 'loss' line per log_interval and an "
+                         "'eval' line per evaluation)")
+    return steps, evals
 
 
 def curves(path, steps, evals):

@@ -21,7 +21,7 @@ import torch
 import data
 import plots
 import tree
-from configurator import auto_device, config_of, package_path, parse_overrides
+from configurator import auto_device, check_ranges, config_of, package_path, parse_overrides
 from checkpoint import load_sharedllm
 
 # -----------------------------------------------------------------------------
@@ -44,7 +44,7 @@ attention = ""              # write the cross-attention weights of the answer's 
                             # here (PNG), per layer and head, the key's chunk and node marked; the text form is printed
 # SharedLLM settings at inference (0 / "" = as trained; for a LLaMA-2 folder, model.SharedConfig's defaults)
 n_lower = 0                 # M (LLaMA-2 folder only: a checkpoint's M is fixed by its cross-attention layers)
-chunk_size = 0              # C
+chunk_size = 0              # C (LLaMA-2 folder only: a checkpoint's C is fixed by its training)
 height = 0                  # tree height h
 beta = 0                    # compression C / KVs per chunk
 policy = ""                 # "right" | "query"
@@ -121,6 +121,14 @@ def cross_attention_picture(model, memory, idx, path, key_chunk, key_at):
 def main(cfg):
     g = cfg
     dev, dt = auto_device(g["device"], g["dtype"])
+    inf = float("inf")
+    check_ranges(g, dict(n_chunks=(1, inf), max_new_tokens=(0, inf), temperature=(0, inf), top_k=(0, inf)))
+    if not 0 < g["top_p"] <= 1:
+        raise SystemExit(f"--top_p={g['top_p']}: expected a value in (0, 1]; 1 = off")
+    if g["depth"] != -1 and not 0 <= g["depth"] <= 1:
+        raise SystemExit(f"--depth={g['depth']}: expected -1 (random) or a value in [0, 1]")
+    if g["key"] and not 10000 <= g["key"] <= 99999:
+        raise SystemExit(f"--key={g['key']}: expected 0 (random) or a 5-digit key, 10000..99999")
     torch.manual_seed(g["seed"])
     shared = {k: g[k] for k in ("n_lower", "chunk_size", "height", "beta", "policy") if g[k]}
     try:
@@ -134,8 +142,11 @@ def main(cfg):
     answer = None
     if g["context"] == "":
         rng = random.Random(g["seed"])
-        ctx, xd, _, qlen = data.passkey_sample(tok, rng, g["n_chunks"], C, key=g["key"] or None,
-                                               depth=None if g["depth"] < 0 else g["depth"])
+        try:
+            ctx, xd, _, qlen = data.passkey_sample(tok, rng, g["n_chunks"], C, key=g["key"] or None,
+                                                   depth=None if g["depth"] < 0 else g["depth"])
+        except ValueError as e:
+            raise SystemExit(f"sample.py: --n_chunks={g['n_chunks']}: {e}") from None
         ids = ctx.flatten().tolist()
         # the question as training and eval.py tokenize it (the key follows as in the needle), or your own prompt
         prompt_ids = tok.encode(g["prompt"], bos=False) if g["prompt"] else xd[:qlen].tolist()
@@ -149,7 +160,11 @@ def main(cfg):
             path = package_path(text[5:])
             if not os.path.isfile(path):
                 raise SystemExit(f"sample.py: --context={text}: no such file")
-            text = open(path, encoding="utf-8", errors="replace").read()
+            try:
+                text = open(path, encoding="utf-8").read()
+            except UnicodeDecodeError as e:
+                raise SystemExit(f"sample.py: --context={text}: not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                                 f"offset {e.start}); convert it first, e.g. iconv -f latin1 -t utf-8") from None
         if not text.strip():
             raise SystemExit("sample.py: --context is empty; give a string or FILE:path")
         ids = tok.encode(text)

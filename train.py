@@ -21,7 +21,7 @@ import torch
 
 import data
 import model as M
-from configurator import auto_device, config_of, package_path, parse_overrides, peak_flops
+from configurator import auto_device, check_ranges, config_of, package_path, parse_overrides, peak_flops
 from checkpoint import base_digest, read_checkpoint, sharedllm_from_checkpoint
 from load_llama import load_llama, load_tokenizer, tokenizer_from_spec
 from tokenizer import ByteTokenizer, GPT2Tokenizer
@@ -116,12 +116,15 @@ def main():
             torch.cuda.set_device(dev)
     master = rank == 0
     dev_type = "cuda" if dev.startswith("cuda") else dev
-    for name, lo, hi in [("passkey_frac", 0, 1), ("context_dropout", 0, 1), ("lr_decay_iters", 0, float("inf")),
-                         ("eval_iters", 1, float("inf")), ("final_eval_iters", 0, float("inf"))]:
-        if not lo <= globals()[name] <= hi:
-            raise SystemExit(f"--{name}={globals()[name]}: expected a value in [{lo}, {hi}]")
-    if dt not in ("float32", "bfloat16", "float16"):
-        raise SystemExit(f"--dtype={dt}: expected float32 or bfloat16 (or float16)")
+    inf = float("inf")
+    check_ranges(globals(), dict(passkey_frac=(0, 1), context_dropout=(0, 1), lr_decay_iters=(0, inf), eval_iters=(1, inf),
+                                 final_eval_iters=(0, inf), batch_size=(1, inf), gradient_accumulation_steps=(1, inf),
+                                 max_iters=(1, inf), eval_interval=(1, inf), log_interval=(1, inf), warmup_iters=(0, inf),
+                                 noise=(0, inf), n_chunks=(1, inf), block_size=(1, inf), stop_iter=(0, inf)))
+    if task not in ("lm", "passkey", "mixed"):
+        raise SystemExit(f"--task={task}: expected lm, passkey or mixed")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise SystemExit(f"--out_dir={out_dir}: a file, not a folder")
     if dt == "float16" and dev_type != "cuda":
         raise SystemExit(f"--dtype=float16 on {dev}: float16 autocast is for CUDA GPUs without bfloat16 (it trains with a "
                          "gradient scaler there); use --dtype=float32 or --dtype=bfloat16")
@@ -141,9 +144,13 @@ def main():
     scfg = shared_config()
     ckpt, base = None, None
     if init_from == "scratch":
-        tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: load_tokenizer(tokenizer))()
-        vocab = M.PRESETS[preset]["vocab_size"] if preset in M.PRESETS else 0
-        llama = M.Llama(M.preset(preset, vocab_size=max(vocab, tok.vocab_size)))
+        try:
+            tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: load_tokenizer(tokenizer))()
+        except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+            raise SystemExit(f"--tokenizer={tokenizer}: {e} (expected byte, gpt2 or a tokenizer file)") from None
+        if preset not in M.PRESETS:
+            raise SystemExit(f"--preset={preset}: expected one of {sorted(M.PRESETS)}")
+        llama = M.Llama(M.preset(preset, vocab_size=max(M.PRESETS[preset]["vocab_size"], tok.vocab_size)))
         model_args = dict(llama=asdict(llama.cfg), shared=scfg)
     elif init_from == "resume":
         path = os.path.join(out_dir, "ckpt.pt")
@@ -154,18 +161,29 @@ def main():
             raw = sharedllm_from_checkpoint(ckpt, path, ptdtype)   # saved tensors as saved; a light one's base in ptdtype
         except (ValueError, FileNotFoundError, ImportError) as e:
             raise SystemExit(f"init_from=resume: {e}") from None
-        try:   # the model is the checkpoint's: a SharedLLM setting given otherwise would be silently ignored
-            differ = [k for k, v in asdict(M.SharedConfig(**scfg)).items() if getattr(raw.scfg, k) != v]
+        except (KeyError, TypeError) as e:
+            raise SystemExit(f"init_from=resume: {path} is not a train.py checkpoint (no {e})") from None
+        try:   # the model is the checkpoint's: a setting given otherwise would be silently ignored
+            was = {**asdict(raw.scfg), **{k: ckpt["config"].get(k, config[k]) for k in ("preset", "tokenizer")}}
+            now = {**asdict(M.SharedConfig(**scfg)), "preset": preset, "tokenizer": tokenizer}
         except ValueError as e:
             raise SystemExit(f"train.py: {e}") from None
+        differ = [k for k in now if was[k] != now[k]]
         if differ:
             raise SystemExit(f"init_from=resume: {path} was trained with " + ", ".join(
-                f"{k}={getattr(raw.scfg, k)!r}" for k in differ) + " but this run sets " + ", ".join(
-                f"{k}={scfg[k]!r}" for k in differ) + "; resume with its settings (or its config file). To read a "
+                f"{k}={was[k]!r}" for k in differ) + " but this run sets " + ", ".join(
+                f"{k}={now[k]!r}" for k in differ) + "; resume with its settings (or its config file). To read a "
                 "checkpoint with other inference settings, use eval.py (--chunk_ids, --logn_scale, --beta, ...)")
         tok = tokenizer_from_spec(ckpt["tokenizer"])
         model_args, llama, base = ckpt["model_args"], raw.upper, ckpt.get("base")
     else:   # a LLaMA folder or .gguf file: both models come from this one checkpoint
+        where = package_path(init_from)
+        if not os.path.exists(where):
+            raise SystemExit(f"--init_from={init_from}: no such file or folder (expected scratch, resume, a LLaMA folder "
+                             "or a .gguf file)")
+        if where.endswith(".pt") or os.path.isfile(os.path.join(where, "ckpt.pt")):
+            raise SystemExit(f"--init_from={init_from}: a train.py checkpoint; to continue it, use --init_from=resume "
+                             f"--out_dir={os.path.dirname(where) if where.endswith('.pt') else where}")
         try:
             tok = load_tokenizer(package_path(init_from))
             llama = load_llama(package_path(init_from), "cpu", ptdtype)   # bf16 on CUDA: what stays frozen stays bf16
@@ -226,6 +244,8 @@ def main():
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         iter_num = ckpt["iter_num"]
+        if master and iter_num >= max_iters:
+            print(f"nothing to train: {out_dir}/ckpt.pt is at iteration {iter_num} and --max_iters is {max_iters}")
         if "scaler" in ckpt:
             scaler.load_state_dict(ckpt["scaler"])
         # every rank goes on with its own random streams (data, split noise, torch); older checkpoints hold rank 0's
@@ -234,6 +254,8 @@ def main():
             rng.setstate(states[rank]["data"])
             random.setstate(states[rank]["tree"])
             torch.set_rng_state(states[rank]["torch"])
+            if "cuda" in states[rank] and dev_type == "cuda":
+                torch.cuda.set_rng_state(states[rank]["cuda"])
         else:   # more processes than wrote the checkpoint: this one starts fresh streams of its own
             print(f"rank {rank}: the checkpoint holds the random streams of {len(states)} process(es); this rank starts "
                   f"new ones (seed {seed} + rank + iteration)")
@@ -279,12 +301,12 @@ def main():
         return next((v for v, until in pairs if it < until), final)
 
     @torch.no_grad()
-    def evaluate(chunk_counts, iters):
+    def evaluate(which, iters):   # which: "eval_chunks" or "final_eval_chunks"
         # fixed validation samples (their own seed), so evals are comparable and never touch the training RNGs.
         # In "mixed", language modeling is measured once it has started (before lm_from it would measure noise).
         raw.eval()
         trained_beta, raw.scfg.beta = raw.scfg.beta, beta   # always evaluate at the target compression
-        out, counts = {}, eval_counts[chunk_counts]
+        out, counts = {}, eval_counts[which]
         lm_counts, lm_batches = [n for n in counts if n in lm_eval_counts], []   # what the validation documents hold
         if lm_counts and (task == "lm" or (task == "mixed" and iter_num > lm_from)):
             # windows drawn once for the largest chunk count; a shorter context is the most recent n chunks of the
@@ -320,7 +342,8 @@ def main():
 
     def rng_states():
         # this process's three random streams; under DDP every rank's (a collective: all ranks call it together)
-        mine = dict(data=rng.getstate(), tree=random.getstate(), torch=torch.get_rng_state())
+        mine = dict(data=rng.getstate(), tree=random.getstate(), torch=torch.get_rng_state(),
+                    **(dict(cuda=torch.cuda.get_rng_state()) if dev_type == "cuda" else {}))
         if not ddp:
             return [mine]
         everyone = [None] * world
@@ -359,7 +382,7 @@ def main():
     if master:
         kept = []
         if ckpt is not None and os.path.isfile(log_path):
-            kept = [line for line in open(log_path) if json.loads(line)["iter"] <= iter_num]
+            kept = [line for line in open(log_path) if line.endswith("\n") and json.loads(line)["iter"] <= iter_num]
         with open(log_path, "w") as f:
             f.writelines(kept)
 
@@ -375,9 +398,10 @@ def main():
     t0, t_start, start_iter = time.time(), time.time(), iter_num   # a resumed run does not re-evaluate its checkpoint
     while True:
         last = iter_num >= max_iters or 0 < stop_iter <= iter_num
-        if (iter_num % eval_interval == 0 or last) and (iter_num > start_iter or eval_only):
-            rngs = rng_states() if not eval_only else None   # every rank's, before rank 0 saves
-        if (iter_num % eval_interval == 0 or last) and master and (iter_num > start_iter or eval_only):
+        due = (iter_num % eval_interval == 0 or last) and (iter_num > start_iter or eval_only)   # the same on every rank
+        if due and not eval_only:
+            rngs = rng_states()   # every rank's, before rank 0 saves
+        if due and master:
             check_finite(checked_at)
             if not eval_only:
                 save(rngs)   # first: an evaluation that fails never costs the trained weights
@@ -387,7 +411,8 @@ def main():
                     res = evaluate(chunks, iters)
             except Exception:
                 print(f"evaluation at iteration {iter_num} failed; the weights are saved in "
-                      f"{os.path.join(out_dir, 'ckpt.pt')}", flush=True)
+                      f"{os.path.join(out_dir, 'ckpt.pt')} (evaluate them again: --init_from=resume --eval_only=True)",
+                      flush=True)
                 raise
             print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
             log(iter=iter_num, eval=res)
@@ -435,6 +460,7 @@ def main():
             loss_sum, loss_n = {}, {}
             if flops / dt_ > peak:   # faster than the start-up "peak": it was measured while the machine was busy
                 peak = max(peak_flops(dev_type, ptdtype), flops / dt_)
+                t0 = time.time()     # measuring is not training time
             print(f"iter {iter_num}: loss " + " ".join(f"{v:.4f}" + (f" ({k})" if len(losses) > 1 else "")
                                                        for k, v in losses.items())
                   + f", lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, {toks / dt_:,.0f} tok/s, mfu {100 * flops / dt_ / peak:.1f}% "
@@ -460,8 +486,8 @@ def parse_schedule(name, spec):   # "v1:until1,v2:until2" -> [(v1, until1), (v2,
         pairs = [tuple(int(x) for x in part.split(":")) for part in filter(None, spec.split(","))]
         assert all(len(p) == 2 for p in pairs), "each part is value:until_iter"
         assert all(v >= 1 for v, _ in pairs), "values are at least 1"
-        if name == "beta_schedule":
-            [M.tree.node_budget(chunk_size, height, v) for v, _ in pairs]
+        if name == "beta_schedule":   # each scheduled beta must be a SharedConfig of its own
+            [M.SharedConfig(**{**shared_config(), "beta": v}) for v, _ in pairs]
     except (ValueError, AssertionError) as e:
         raise SystemExit(f"--{name}={spec}: expected value:until_iter pairs like 2:1000,4:2000 ({e})") from None
     return pairs
@@ -480,15 +506,19 @@ def check_lengths(tok, splits, train_counts, eval_counts, master):
     # Every length the run will use, checked against the data at start-up, not at iteration 2,500 or after training,
     # where a crash would cost the run. Training must fit; an evaluation length that no validation document can hold
     # a language-modeling window for is evaluated on passkeys only, and said so. -> the chunk counts LM is evaluated at
-    if task != "lm":
-        needle = len(tok.encode(data.NEEDLE.format(key=99999), bos=False)) + 1
-        if min(train_counts + eval_counts) * chunk_size < needle:
-            raise SystemExit(f"--chunk_size={chunk_size}: {min(train_counts + eval_counts)} chunk(s) hold "
-                             f"{min(train_counts + eval_counts) * chunk_size} tokens; the passkey needle needs {needle}")
+    if task != "lm":   # keys tokenize to different lengths (BPE): the longest of a fixed sample of 102 keys
         keys = [10000, 99999] + [random.Random(k).randint(10000, 99999) for k in range(100)]
+        needle = max(len(tok.encode(data.NEEDLE.format(key=k), bos=False)) for k in keys) + 1
+        if min(train_counts + eval_counts) * chunk_size < needle:
+            raise SystemExit(f"--chunk_size={chunk_size} with --n_chunks / --chunk_schedule / --eval_chunks: "
+                             f"{min(train_counts + eval_counts)} chunk(s) hold {min(train_counts + eval_counts) * chunk_size}"
+                             f" tokens; the passkey needle needs {needle}")
         xd = max(sum(map(len, data.passkey_question(tok, k))) for k in keys) - 1
         if block_size < xd:
             raise SystemExit(f"--block_size={block_size}: the passkey question and answer take up to {xd} tokens")
+    if chunk_ids == "random" and max(train_counts) > max_chunk_id:
+        raise SystemExit(f"--max_chunk_id={max_chunk_id}: random chunk ids for {max(train_counts)} chunks need at least "
+                         f"{max(train_counts)}")
     if task == "passkey":
         return []
     need = lambda n: n * chunk_size + block_size + 1
@@ -499,10 +529,13 @@ def check_lengths(tok, splits, train_counts, eval_counts, master):
                          f"{block_size} + 1 = {need(max(train_counts)):,} tokens, and the longest training document of "
                          f"{where} has {longest['train']:,}")
     fit = [n for n in eval_counts if need(n) <= longest["val"]]
+    why = (f"a window needs n x {chunk_size} + {block_size} + 1 tokens and the longest validation document of {where} "
+           f"has {longest['val']:,}")
+    if task == "lm" and not fit:
+        raise SystemExit(f"--eval_chunks / --final_eval_chunks: no chunk count can be evaluated: {why}")
     if fit != eval_counts and master:
-        print(f"language modeling is not evaluated at {[n for n in eval_counts if n not in fit]} chunks (passkeys are): "
-              f"a window needs n x {chunk_size} + {block_size} + 1 tokens and the longest validation document of "
-              f"{where} has {longest['val']:,}")
+        print(f"language modeling is not evaluated at {[n for n in eval_counts if n not in fit]} chunks"
+              f"{' (passkeys are)' if task == 'mixed' else ''}: {why}")
     return fit
 
 

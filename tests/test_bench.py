@@ -59,7 +59,14 @@ def test_bench_shape_reads_only_a_config(tmp_path, capsys):
     assert "3 layers, dim 48, heads 6/2" in capsys.readouterr().out and res["retrieval_overhead_pct"] > -100
     assert "smollm2-135m" in M.PRESETS and M.preset("smollm2-135m").n_kv_heads == 3
     for args, msg in [(["--shape=nowhere"], "--shape=nowhere: neither a model preset"),
-                      ([f"--shape={tmp_path / 'shape'}", "--init_from=out"], "give one")]:
+                      ([f"--shape={tmp_path / 'shape'}", "--init_from=out"], "give one"),
+                      (["--lengths=0"], "--lengths=0: expected positive integers"),
+                      (["--lengths=abc"], "--lengths=abc: expected positive integers"),
+                      (["--repeats=0"], r"--repeats=0: expected a value in \[1, inf\]"),
+                      (["--block_size=0"], r"--block_size=0: expected a value in \[1, inf\]"),
+                      (["--beta=0"], "SharedConfig.beta = 0; expected at least 1"),
+                      (["--dtype=fp32"], "--dtype=fp32: expected auto, float32, bfloat16 or float16"),
+                      ([f"--out={tmp_path}/nowhere/b.json"], "the folder .*nowhere does not exist")]:
         cfg = config_of(vars(bench))
         parse_overrides(args, cfg, bench.__file__)
         with pytest.raises(SystemExit, match=msg):

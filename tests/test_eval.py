@@ -179,7 +179,10 @@ def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path, monkeypatch):
     # as the user sees it, once per script: a subprocess
     for script in ("sample.py", "eval.py"):
         out = run([f"--init_from={tmp_path}/nope"], tmp_path, ok=False, cmd=SCRIPTS[script])
-        assert "neither a train.py checkpoint (ckpt.pt) nor a LLaMA folder (config.json) or .gguf file" in out
+        assert f"{tmp_path}/nope: no such file or folder" in out
+    os.makedirs(tmp_path / "empty")
+    assert "neither a train.py checkpoint (ckpt.pt) nor a LLaMA folder (config.json) or .gguf file" in error_of(
+        S, [f"--init_from={tmp_path / 'empty'}"], tmp_path, monkeypatch)
     assert "unknown setting 'temprature'" in error_of(S, ["--temprature=1"], tmp_path, monkeypatch)
     assert "unknown setting 'chunk'" in error_of(E, ["--chunk=4"], tmp_path, monkeypatch)
     ck = [f"--init_from={micro_ckpt}", "--device=cpu"]
@@ -279,5 +282,56 @@ def test_full_attention_of_a_model_trained_from_scratch_says_what_it_is(micro_ck
     cfg = parse_overrides([f"--init_from={micro_ckpt}", "--task=passkey", "--chunks=2", "--full=True", "--samples=2",
                            "--depths=0", "--device=cpu"], config_of(vars(E)), E.__file__)
     res = E.main(cfg)
-    assert "full attention by this checkpoint's own upper model (train='all' trained it; the checkpoint holds no " \
-           "unchanged base)" in capsys.readouterr().out and "full_attention" in res[0]
+    assert "full attention by this checkpoint's own upper model (trained from scratch: there is no pretrained base)" \
+           in capsys.readouterr().out and "full_attention" in res[0]
+
+
+def test_bad_input_sweep_sample_and_eval(micro_ckpt, tmp_path, monkeypatch):
+    # wrong but plausible inputs, each a one-line error naming the flag and what was expected (no traceback, no
+    # silent fallback)
+    ck = [f"--init_from={micro_ckpt}", "--device=cpu"]
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin1") * 50)
+    for args, msg in [(["--n_chunks=0"], "--n_chunks=0: expected a value in [1, inf]"),
+                      (["--n_chunks=1"], "--n_chunks=1: context of 32 tokens is too short for the passkey needle"),
+                      (["--max_new_tokens=-1"], "--max_new_tokens=-1: expected a value in [0, inf]"),
+                      (["--temperature=-1"], "--temperature=-1.0: expected a value in [0, inf]"),
+                      (["--temperature=nan"], "--temperature=nan: expected a value in [0, inf]"),
+                      (["--top_p=2"], "--top_p=2.0: expected a value in (0, 1]"),
+                      (["--top_k=-3"], "--top_k=-3: expected a value in [0, inf]"),
+                      (["--depth=2"], "--depth=2.0: expected -1 (random) or a value in [0, 1]"),
+                      (["--key=123"], "--key=123: expected 0 (random) or a 5-digit key"),
+                      (["--beta=64"], "SharedConfig.beta = 64: a tree of height 3 keeps at least one KV in each of its 4 "
+                                      "nodes, so a chunk of 32 tokens allows beta up to 8"),
+                      (["--height=9"], "chunk_size 32 is too short for a tree of height 9"),
+                      (["--chunk_size=7"], "chunk_size (C) = 7: " + str(micro_ckpt / "ckpt.pt") + " was trained with C = 32"),
+                      (["--device=gpu"], "--device=gpu: expected auto, cpu, cuda, cuda:N or mps"),
+                      (["--dtype=fp32"], "--dtype=fp32: expected auto, float32, bfloat16 or float16"),
+                      ([f"--context=FILE:{tmp_path / 'latin1.txt'}", "--prompt=q"], "not UTF-8 text (byte 0xe9 at offset 3)")]:
+        assert msg in error_of(S, ck + args, tmp_path, monkeypatch), args
+    if not torch.cuda.is_available():
+        assert "--device=cuda: CUDA is not available on this machine" in error_of(S, ["--device=cuda"], tmp_path, monkeypatch)
+    pk = ck + ["--task=passkey", "--chunks=2", "--samples=2"]
+    for args, msg in [(["--depths=abc"], "--depths=abc: expected depths in [0, 1] like 0,0.5,1"),
+                      (["--depths=1.5"], "--depths=1.5: expected depths in [0, 1]"),
+                      (["--samples=0"], "--samples=0: expected a value in [1, inf]"),
+                      (["--batch_size=0"], "--batch_size=0: expected a value in [1, inf]"),
+                      (["--max_windows=0"], "--max_windows=0: expected a value in [1, inf]"),
+                      (["--block_size=-5"], "--block_size=-5: expected a value in [0, inf]"),
+                      ([f"--out={tmp_path}/nowhere/x.json"], f"--out={tmp_path}/nowhere/x.json: the folder"),
+                      (["--task=ppl", f"--data_dir={tmp_path}/nowhere"], "nowhere': no such folder"),
+                      (["--task=ppl", f"--data_dir={tmp_path / 'latin1.txt'}"], "a file; give a folder of .txt files"),
+                      (["--task=ablations", "--compare=x=/nonexistent"], "--compare=x=/nonexistent: /nonexistent: no such")]:
+        assert msg in error_of(E, pk + args, tmp_path, monkeypatch), args
+
+
+def test_a_light_checkpoint_whose_base_moved_is_named(tmp_path, monkeypatch):
+    from test_train import tiny_llama_and_docs, train_in_process
+    ck, docs = tiny_llama_and_docs(tmp_path)
+    train_in_process([f"--init_from={ck}", "--train=cross", "--task=lm", f"--data_dir={docs}", "--n_lower=1",
+                      "--chunk_size=32", "--n_chunks=2", "--chunk_schedule=", "--beta_schedule=", "--block_size=32",
+                      "--batch_size=2", "--max_iters=1", "--eval_iters=1", "--eval_chunks=2", "--final_eval_chunks=",
+                      "--context_dropout=0", "--device=cpu", f"--out_dir={tmp_path / 'out'}"], tmp_path)
+    os.rename(ck, tmp_path / "moved")
+    for script in (S, E):
+        assert f"a light checkpoint (only the trained weights); its base model {ck} is not there" in error_of(
+            script, [f"--init_from={tmp_path / 'out'}", "--device=cpu"], tmp_path, monkeypatch)

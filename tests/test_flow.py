@@ -53,7 +53,7 @@ def test_smoke_train_resume_sample_eval_with_light_checkpoints(tmp_path, capsys)
     c = json.load(open(ck / "config.json"))                                  # the base changes under the checkpoint
     json.dump({**c, "rms_norm_eps": 1e-6}, open(ck / "config.json", "w"))
     with pytest.raises(SystemExit, match="those files have changed since"):
-        S.main(cfg)
+        S.main(parse_overrides([f"--init_from={part}"], config_of(vars(S)), S.__file__))
     with pytest.raises(SystemExit, match="those files have changed since"):
         train_in_process(common + [f"--out_dir={part}", "--init_from=resume", "--max_iters=6"], tmp_path)
 
@@ -70,7 +70,7 @@ def test_full_attention_is_the_unchanged_base_model(tmp_path, capsys):
                       "--final_eval_chunks=", "--final_eval_iters=0", "--learning_rate=1e-2", "--warmup_iters=1",
                       "--device=cpu", f"--out_dir={tmp_path / 'out'}"], tmp_path)
     res = E.main(parse_overrides([f"--init_from={tmp_path / 'out'}", "--task=ppl", "--chunks=2", "--full=True",
-                                  "--max_windows=3"], config_of(vars(E)), E.__file__))
+                                  "--max_windows=3", "--device=cpu"], config_of(vars(E)), E.__file__))
     assert f"'full' = the base model {ck} with plain attention" in capsys.readouterr().out
     splits = data.prepare(load_tokenizer(str(ck)), str(docs))
     windows = E.ppl_windows(splits["val"], 2, 32, 32, 16, 3)

@@ -56,6 +56,20 @@ def test_broken_config(ckpt):
     open(os.path.join(ckpt, "config.json"), "w").write("{not json")
     with pytest.raises(ValueError, match="config.json: not valid JSON"):
         load_llama(ckpt)
+    from load_llama import load_tokenizer
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):   # the tokenizer reads it first
+        load_tokenizer(ckpt)
+
+
+def test_load_llama_cli_names_what_it_was_given(tmp_path):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    (tmp_path / "out").mkdir()
+    torch.save({"a": 1}, tmp_path / "out" / "ckpt.pt")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "load_llama.py"), str(tmp_path / "out"), "--device=cpu"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "out: a train.py checkpoint; sample.py and eval.py read it" in r.stderr, r.stderr
 
 
 def test_config_missing_key_and_wrong_type(ckpt):

@@ -203,3 +203,11 @@ def test_tokenizer_json_of_another_kind_is_refused(tmp_path):
                                                          "pre_tokenizer": {"type": "Whitespace"}}))
     with pytest.raises(ValueError, match="pre_tokenizer .*Whitespace.* is not supported"):
         load_tokenizer(str(tmp_path / "tokenizer.json"))
+
+
+@real
+def test_sample_and_eval_read_a_gguf_file_directly():
+    # a .gguf path is a LLaMA checkpoint, not a train.py one: an untrained SharedLLM over it, its own tokenizer
+    from checkpoint import load_sharedllm
+    model, tok, train_cfg = load_sharedllm(GGUF, n_lower=2, chunk_size=64)
+    assert model.upper.cfg.n_layers == 30 and model.scfg.n_lower == 2 and train_cfg == {} and tok.vocab_size == 49152

@@ -35,11 +35,11 @@ def test_config_errors(tmp_path, capsys):
     wrong = tmp_path / "wrong.py"
     wrong.write_text("max_iters = 1e3\n")
     for args, msg in [(["--lerning_rate=1"], "unknown setting 'lerning_rate'"),
-                      (["--max_iters=ten"], "--max_iters=ten: expected a int"),
-                      (["--max_iters=1.5"], "--max_iters=1.5: expected a int"),
+                      (["--max_iters=ten"], "--max_iters=ten: expected an int"),
+                      (["--max_iters=1.5"], "--max_iters=1.5: expected an int"),
                       (["max_iters"], "bad argument 'max_iters'"),
                       ([str(bad)], f"config file {bad}: unknown setting 'lerning_rate'"),
-                      ([str(wrong)], f"config file {wrong}: expected a int"),
+                      ([str(wrong)], f"config file {wrong}: expected an int"),
                       (["config/nope.py"], "config file config/nope.py: not found")]:
         with pytest.raises(SystemExit, match=re.escape(msg)):
             parse_overrides(args, dict(train.config), train.__file__)
@@ -58,8 +58,26 @@ def test_config_errors(tmp_path, capsys):
                       (["--eval_chunks=0"], "--eval_chunks=0: expected chunk counts like 4,16,64"),
                       (["--chunk_schedule=0:10"], "--chunk_schedule=0:10: expected value:until_iter pairs"),
                       (["--block_size=20"], "--block_size=20: the passkey question and answer take up to 42 tokens"),
-                      (["--chunk_size=16", "--n_chunks=2"], "--chunk_size=16: 2 chunk(s) hold 32 tokens; the passkey "
-                                                           "needle needs 60"),
+                      (["--chunk_size=16", "--beta=4", "--n_chunks=2"], "--chunk_size=16 with --n_chunks / --chunk_schedule / "
+                                                           "--eval_chunks: 2 chunk(s) hold 32 tokens; the passkey needle "
+                                                           "needs 60"),
+                      (["--beta_schedule=64:10"], "--beta_schedule=64:10: expected value:until_iter pairs"),
+                      (["--batch_size=0"], "--batch_size=0: expected a value in [1, inf]"),
+                      (["--gradient_accumulation_steps=0"], "--gradient_accumulation_steps=0: expected a value in [1, inf]"),
+                      (["--max_iters=0"], "--max_iters=0: expected a value in [1, inf]"),
+                      (["--eval_interval=0"], "--eval_interval=0: expected a value in [1, inf]"),
+                      (["--log_interval=0"], "--log_interval=0: expected a value in [1, inf]"),
+                      (["--warmup_iters=-5"], "--warmup_iters=-5: expected a value in [0, inf]"),
+                      (["--noise=-1"], "--noise=-1.0: expected a value in [0, inf]"),
+                      (["--n_chunks=0"], "--n_chunks=0: expected a value in [1, inf]"),
+                      (["--task=qa"], "--task=qa: expected lm, passkey or mixed"),
+                      (["--preset=huge"], "--preset=huge: expected one of"),
+                      (["--tokenizer=nonexistent.model"], "--tokenizer=nonexistent.model: nonexistent.model: no tokenizer"),
+                      (["--init_from=/nonexistent"], "--init_from=/nonexistent: no such file or folder"),
+                      (["--chunk_ids=random", "--max_chunk_id=1"], "--max_chunk_id=1: random chunk ids for 2 chunks need"),
+                      (["--beta=0"], "SharedConfig.beta = 0; expected at least 1"),
+                      (["--height=0"], "SharedConfig.height = 0; expected at least 1"),
+                      (["--device=gpu"], "--device=gpu: expected auto, cpu, cuda, cuda:N or mps"),
                       (["--chunk_ids=maybe"], "SharedConfig.chunk_ids = 'maybe'; expected one of ('plain', 'clamp', 'random', 'off')")]:
         cfg = parse_overrides(MICRO + args + [f"--out_dir={tmp_path / 'out'}"], dict(train.config), train.__file__)
         with pytest.MonkeyPatch.context() as mp:
@@ -241,13 +259,22 @@ def test_every_length_is_checked_at_start_up_and_weights_are_never_lost(tmp_path
     # an evaluation length that no validation document holds: measured on what fits, said at start-up
     train_in_process(lm + ["--final_eval_chunks=2,64", f"--out_dir={tmp_path / 'a'}"], tmp_path)
     out = capsys.readouterr().out
-    assert "language modeling is not evaluated at [64] chunks (passkeys are): a window needs n x 32 + 48 + 1 tokens" in out
+    assert "language modeling is not evaluated at [64] chunks: a window needs n x 32 + 48 + 1 tokens" in out
     assert "ppl_ratio@2" in out and "@64" not in out and os.path.isfile(tmp_path / "a" / "ckpt.pt")
+    # resuming it: settings the checkpoint fixes are refused, a run already done says so, and a checkpoint is no LLaMA
+    with pytest.raises(SystemExit, match="was trained with preset='micro' but this run sets preset='tiny'"):
+        train_in_process(lm + ["--init_from=resume", "--preset=tiny", f"--out_dir={tmp_path / 'a'}"], tmp_path)
+    train_in_process(lm + ["--init_from=resume", f"--out_dir={tmp_path / 'a'}"], tmp_path)
+    assert f"nothing to train: {tmp_path / 'a'}/ckpt.pt is at iteration 2 and --max_iters is 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="a train.py checkpoint; to continue it, use --init_from=resume"):
+        train_in_process(lm + [f"--init_from={tmp_path / 'a'}", f"--out_dir={tmp_path / 'b'}"], tmp_path)
+    with pytest.raises(SystemExit, match="--out_dir=.*docs/0.txt: a file, not a folder"):
+        train_in_process(lm + [f"--out_dir={docs / '0.txt'}"], tmp_path)
     # a training length that does not fit: refused before anything is trained
     with pytest.raises(SystemExit, match=r"--n_chunks / --chunk_schedule: 64 chunks x 32 \+ block_size 48 \+ 1 = 2,097 "
                                          r"tokens, and the longest training document of .*docs has"):
         train_in_process(lm + ["--n_chunks=64", f"--out_dir={tmp_path / 'b'}"], tmp_path)
-    with pytest.raises(SystemExit, match="--data_dir=.*nowhere: data_dir=.*nowhere.* holds no .txt files"):
+    with pytest.raises(SystemExit, match="--data_dir=.*nowhere: data_dir=.*nowhere': no such folder"):
         train_in_process(lm + [f"--data_dir={tmp_path / 'nowhere'}", f"--out_dir={tmp_path / 'b'}"], tmp_path)
     # an evaluation that fails after training: the weights were saved before it
     real = data.get_batch

@@ -137,7 +137,22 @@ def test_every_workshop_command_runs_with_a_micro_config(micro_run, tmp_path, mo
         elif script in ("sample.py", "eval.py"):
             mod = S if script == "sample.py" else E
             extra = ["--samples=2", "--max_windows=2"] if script == "eval.py" else []
+            # micro chunks of 32 tokens hold at most beta 8 (4 nodes of at least one KV each)
+            args = [f"--beta={min(8, int(a[7:]))}" if a.startswith("--beta=") else a for a in args]
             mod.main(parse_overrides(args + extra, config_of(vars(mod)), mod.__file__))
         else:
             monkeypatch.setattr(sys, "argv", [script] + args)
             runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+
+
+def test_a_broken_or_empty_log_is_named(tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"iter": 1, "loss": {"lm": 2.0}}\nnot json\n{"iter": 2, "loss": {"lm": 1.9}}\n')
+    with pytest.raises(SystemExit, match="log.jsonl line 2: not JSON"):
+        plots.read_log(str(tmp_path))
+    log.write_text('{"iter": 1, "loss": {"lm": 2.0}}\n{"iter": 2, "lo')      # a run stopped while writing its last line
+    assert len(plots.read_log(str(tmp_path))[0]) == 1 and "the last line is cut short" in capsys.readouterr().out
+    for text in ("", '{"foo": 1}\n[1, 2]\n'):
+        log.write_text(text)
+        with pytest.raises(SystemExit, match="no training records in it"):
+            plots.read_log(str(tmp_path))
