@@ -100,6 +100,8 @@ def test_a_model_that_copies_the_needle_scores_100_percent(tok):
 def test_sample_py_decodes_until_the_key_is_complete(tok, tmp_path, monkeypatch, capsys):
     # a checkpoint of an untrained micro model with this tokenizer; its decoder replaced by one that "reads the needle":
     # it yields the needle's tokens after "The pass key is" for as long as it is asked
+    if tok.spec["kind"] == "bpe":
+        pytest.skip("sample.py would read the GGUF's tokenizer again (seconds); GPT-2 covers keys of several tokens")
     import model as M
     import sample as S
     from configurator import config_of, parse_overrides

@@ -206,8 +206,12 @@ def test_tokenizer_json_of_another_kind_is_refused(tmp_path):
 
 
 @real
-def test_sample_and_eval_read_a_gguf_file_directly():
-    # a .gguf path is a LLaMA checkpoint, not a train.py one: an untrained SharedLLM over it, its own tokenizer
-    from checkpoint import load_sharedllm
-    model, tok, train_cfg = load_sharedllm(GGUF, n_lower=2, chunk_size=64)
+def test_sample_and_eval_read_a_gguf_file_directly(smollm, monkeypatch):
+    # a .gguf path is a LLaMA checkpoint, not a train.py one: an untrained SharedLLM over it, its own tokenizer (the
+    # loaders are the ones tested above: here they hand over the model already read, to save reading it again)
+    import copy
+    import checkpoint
+    monkeypatch.setattr(checkpoint, "load_llama", lambda path, *a: copy.deepcopy(smollm[0]) if path == GGUF else None)
+    monkeypatch.setattr(checkpoint, "load_tokenizer", lambda path: smollm[1] if path == GGUF else None)
+    model, tok, train_cfg = checkpoint.load_sharedllm(GGUF, n_lower=2, chunk_size=64)
     assert model.upper.cfg.n_layers == 30 and model.scfg.n_lower == 2 and train_cfg == {} and tok.vocab_size == 49152

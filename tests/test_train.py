@@ -137,21 +137,24 @@ def test_fixed_batch_overfits():
     assert losses[0] > 4.0 and losses[-1] < 0.01, (losses[0], losses[-1])   # memorised: 5.5 -> 0.002 here
 
 
-def test_resume_equals_uninterrupted_run(tmp_path):
+def test_resume_equals_uninterrupted_run(tmp_path, capsys):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     # the default task: passkey first, language-modeling batches mixed in from lm_from (after the resume point)
     common = MICRO + ["--max_iters=6", "--eval_interval=3", "--warmup_iters=2", "--task=mixed", "--lm_from=4"]
-    out = run(common + [f"--out_dir={full}"], tmp_path)
+    train_in_process(common + [f"--out_dir={full}"], tmp_path)
+    out = capsys.readouterr().out
     assert "tok/s" in out and "mfu" in out
     evals = [line for line in out.splitlines() if line.startswith("eval iter")]
     assert evals[0].startswith("eval iter 3: passkey@2") and "lm_loss" not in evals[0]   # LM not trained yet: not shown
     assert evals[1].startswith("eval iter 6: passkey@2") and "ppl_ratio@2" in evals[1]
-    run(common + [f"--out_dir={part}", "--stop_iter=3"], tmp_path)
+    train_in_process(common + [f"--out_dir={part}", "--stop_iter=3"], tmp_path)
     assert torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)["iter_num"] == 3
     # a SharedLLM setting other than the checkpoint's is refused, not silently replaced by the checkpoint's
-    out = run(common + [f"--out_dir={part}", "--init_from=resume", "--chunk_ids=off", "--logn_scale=True"], tmp_path, ok=False)
-    assert "was trained with chunk_ids='clamp', logn_scale=False but this run sets chunk_ids='off', logn_scale=True" in out
-    run(common + [f"--out_dir={part}", "--init_from=resume"], tmp_path)
+    with pytest.raises(SystemExit, match=re.escape("was trained with chunk_ids='clamp', logn_scale=False but this run "
+                                                   "sets chunk_ids='off', logn_scale=True")):
+        train_in_process(common + [f"--out_dir={part}", "--init_from=resume", "--chunk_ids=off", "--logn_scale=True"],
+                         tmp_path)
+    train_in_process(common + [f"--out_dir={part}", "--init_from=resume"], tmp_path)
     a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=True)
     b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)
     assert a["iter_num"] == b["iter_num"] == 6
@@ -164,8 +167,8 @@ def test_resume_equals_uninterrupted_run(tmp_path):
 def test_checkpoint_holds_the_moving_average(tmp_path):
     # after one step, "model" = d * w0 + (1 - d) * w1 and "raw" = w1 (w0: the same run at learning rate 0)
     common = MICRO + ["--max_iters=1", "--ema_decay=0.9"]
-    run(common + ["--learning_rate=0", f"--out_dir={tmp_path / 'w0'}"], tmp_path)
-    run(common + [f"--out_dir={tmp_path / 'w1'}"], tmp_path)
+    train_in_process(common + ["--learning_rate=0", f"--out_dir={tmp_path / 'w0'}"], tmp_path)
+    train_in_process(common + [f"--out_dir={tmp_path / 'w1'}"], tmp_path)
     w0 = torch.load(tmp_path / "w0" / "ckpt.pt", weights_only=True)["raw"]
     ck = torch.load(tmp_path / "w1" / "ckpt.pt", weights_only=True)
     moved = 0
@@ -175,15 +178,16 @@ def test_checkpoint_holds_the_moving_average(tmp_path):
     assert moved > 10                                    # the step did change the weights
     # evaluating swaps the average in and the raw weights back exactly: evaluating every step changes nothing
     common = MICRO + ["--max_iters=3", "--warmup_iters=1"]
-    run(common + ["--eval_interval=1", f"--out_dir={tmp_path / 'every'}"], tmp_path)
-    run(common + ["--eval_interval=100", f"--out_dir={tmp_path / 'end'}"], tmp_path)
+    train_in_process(common + ["--eval_interval=1", f"--out_dir={tmp_path / 'every'}"], tmp_path)
+    train_in_process(common + ["--eval_interval=100", f"--out_dir={tmp_path / 'end'}"], tmp_path)
     a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("every", "end"))
     assert all(torch.equal(a["raw"][k], b["raw"][k]) and torch.equal(a["model"][k], b["model"][k]) for k in a["raw"])
     # off: no average, the checkpoint holds the raw weights of the very same run
-    run(common + ["--eval_interval=100", "--ema_decay=0", f"--out_dir={tmp_path / 'off'}"], tmp_path)
+    train_in_process(common + ["--eval_interval=100", "--ema_decay=0", f"--out_dir={tmp_path / 'off'}"], tmp_path)
     off = torch.load(tmp_path / "off" / "ckpt.pt", weights_only=True)
     assert "raw" not in off and all(torch.equal(off["model"][k], b["raw"][k]) for k in b["raw"])
-    assert "--ema_decay=1.0: expected 0 (off) or a decay in (0, 1)" in run(MICRO + ["--ema_decay=1"], tmp_path, ok=False)
+    with pytest.raises(SystemExit, match=re.escape("--ema_decay=1.0: expected 0 (off) or a decay in (0, 1)")):
+        train_in_process(MICRO + ["--ema_decay=1", f"--out_dir={tmp_path / 'bad'}"], tmp_path)
 
 
 def test_llama2_path_on_tiny_random_checkpoint(tmp_path):
@@ -228,7 +232,7 @@ def test_ddp_over_gloo_two_processes_and_exact_resume(tmp_path):
         assert torch.equal(a["model"][k], b["model"][k]) and torch.equal(a["raw"][k], b["raw"][k]), k
 
 
-def test_context_dropout_one_never_trains_cross_attention(tmp_path):
+def test_context_dropout_one_never_trains_cross_attention(tmp_path, capsys):
     # every language-modeling batch without X_C: cross-attention gets no gradient, so its zero-initialised output
     # projection stays exactly zero, while the rest of the model trains
     docs = tmp_path / "docs"
@@ -236,9 +240,10 @@ def test_context_dropout_one_never_trains_cross_attention(tmp_path):
     for i in range(10):
         (docs / f"{i}.txt").write_text(" ".join(f"token{j % 17} line {j}" for j in range(300)))
     for drop in (1.0, 0.0):
-        out = run(MICRO + ["--task=mixed", "--passkey_frac=0.0", "--lm_from=0", f"--context_dropout={drop}",
-                           f"--data_dir={docs}", "--max_iters=3", "--eval_interval=3", f"--out_dir={tmp_path / str(drop)}"],
-                  tmp_path)
+        train_in_process(MICRO + ["--task=mixed", "--passkey_frac=0.0", "--lm_from=0", f"--context_dropout={drop}",
+                                  f"--data_dir={docs}", "--max_iters=3", "--eval_interval=3",
+                                  f"--out_dir={tmp_path / str(drop)}"], tmp_path)
+        out = capsys.readouterr().out
         assert "lm_loss@2" in out and "passkey@2" in out
         ck = torch.load(tmp_path / str(drop) / "ckpt.pt", weights_only=True)["model"]
         wo = [ck[k].abs().max().item() for k in ck if "cross_attention.wo" in k]
