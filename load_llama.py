@@ -321,9 +321,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.max_new_tokens < 0:
         ap.error(f"--max_new_tokens={args.max_new_tokens}: expected 0 or more")
-    if args.device.split(":")[0] not in ("cpu", "cuda", "mps") or (args.device.startswith("cuda") and not
-                                                                      torch.cuda.is_available()) or (
-            args.device == "mps" and not torch.backends.mps.is_available()):
+    if not {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}.get(args.device.split(":")[0]):
         ap.error(f"--device={args.device}: expected cpu, or cuda / cuda:N / mps where this machine has it")
     if not os.path.exists(args.path):
         ap.error(f"{args.path}: no such file or folder")
