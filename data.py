@@ -11,6 +11,7 @@ Data for train.py, eval.py and sample.py, with no download.
 A sample is (context (n, C), idx (T,), targets (T,), query_len): X_C precedes X_D in the same document;
 query_len is how many leading tokens of X_D are the query (the passkey question; 0 for language modeling).
 """
+import bisect
 import glob
 import hashlib
 import json
@@ -98,10 +99,12 @@ def passkey_question(tok, key):
     # first sentence does, "The pass key is 12345.", so the answer's tokens are exactly the needle's: a tokenizer may
     # fold the space into the key (GPT-2: ' 735', '12') or make a token of it ('▁', '7', ...): it does the same in
     # both. The question is every token before the first one that shows a digit; the answer runs to the key's end.
+    # Both "shows a digit" and "shows the whole key" only turn true as tokens are added: found by bisection, a few
+    # decodes per sample rather than one per prefix (this runs for every training sample).
     ids = tok.encode(f"{QUESTION}{key}.", bos=False)
-    shown = [tok.decode(ids[:i]) for i in range(len(ids) + 1)]              # QUESTION holds no digit
-    q = max(i for i in range(len(ids) + 1) if not any(c.isdigit() for c in shown[i]))
-    end = min(i for i in range(len(ids) + 1) if str(key) in shown[i])
+    prefixes = range(len(ids) + 1)                                             # QUESTION holds no digit
+    q = bisect.bisect_left(prefixes, True, key=lambda i: any(c.isdigit() for c in tok.decode(ids[:i]))) - 1
+    end = bisect.bisect_left(prefixes, True, key=lambda i: str(key) in tok.decode(ids[:i]))
     return ids[:q], ids[q:end]
 
 
