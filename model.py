@@ -19,6 +19,7 @@ References: the paper (Sec. 3, Eq. 1-3, Algorithm 1); Meta's LLaMA-2 and Hugging
 import copy
 import math
 from contextlib import nullcontext
+from collections import namedtuple
 from dataclasses import dataclass, field
 
 import torch
@@ -31,8 +32,9 @@ try:
     from flash_attn import flash_attn_func
 except ImportError:
     flash_attn_func = None
-ENCODE_TOKENS = 4096  # the lower model encodes preserved nodes in calls of about this many tokens (SharedLLM.compress)
-ATTN_BACKEND = None   # force "flash" | "sdpa" | "manual" (tests, teaching); None picks the fastest that applies
+ATTN_BACKEND = None         # force "flash" | "sdpa" | "manual" (tests, teaching); None picks the fastest that applies
+ENCODE_PATH = "batched"     # "batched" | "reference" (each preserved node on its own): SharedLLM.encode_nodes
+ENCODE_TOKENS = 4096        # the batched path encodes preserved nodes in calls of about this many tokens
 
 # -----------------------------------------------------------------------------
 # config
@@ -162,24 +164,29 @@ def attention(q, k, v, causal, backend=None):
     return (att.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
-class KeepKV:
-    # stands in for a KV cache in one forward pass and keeps that layer's K (after RoPE) and V: the compressor's output
-    def update(self, start, k, v):
-        self.k, self.v = k, v
-        return k, v
-
-
 class KVCache:
-    # the upper model's self-attention keys/values during decoding, preallocated: (B, Hkv, max_len, hd)
+    # one layer's self-attention keys/values, preallocated for max_len positions and filled in order:
+    # (B, Hkv, max_len, hd). Decoding keeps one per layer; so does the reference encoding of a node.
     def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype):
         self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
+        self.length = 0   # positions written so far
 
-    def update(self, start, k, v):
-        end = start + k.shape[2]
+    def update(self, k, v):
+        # k, v: (B, Hkv, T, hd), the next T positions -> every position's K, V so far: (B, Hkv, length, hd)
+        start, end = self.length, self.length + k.shape[2]
         assert end <= self.k.shape[2], f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}"
         self.k[:, :, start:end], self.v[:, :, start:end] = k, v
+        self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def split_heads(x, n_heads, head_dim):   # (B, T, n_heads * hd) -> (B, n_heads, T, hd)
+    return x.view(x.shape[0], x.shape[1], n_heads, head_dim).transpose(1, 2)
+
+
+def merge_heads(y):                      # (B, H, T, hd) -> (B, T, H * hd)
+    return y.transpose(1, 2).reshape(y.shape[0], y.shape[2], -1)
 
 
 class SelfAttention(nn.Module):
@@ -191,22 +198,28 @@ class SelfAttention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
+    def query(self, x, rope):
+        # x: (B, T, dim); rope: (cos, sin) of its positions -> Q (rotated): (B, Hq, T, hd)
+        return apply_rope(split_heads(self.wq(x), self.n_heads, self.head_dim), *rope)
+
     def kv(self, x, cos, sin):
-        B, T, _ = x.shape
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, T, hd)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # x: (B, T, dim) -> K (rotated), V: (B, Hkv, T, hd) each
+        k = split_heads(self.wk(x), self.n_kv_heads, self.head_dim)
+        v = split_heads(self.wv(x), self.n_kv_heads, self.head_dim)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, start_pos=0, cache=None, kv=None):
-        # kv: these positions' K, V when already computed (the query policy's search computed them)
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # (B, Hq, T, hd)
-        q = apply_rope(q, cos, sin)
-        k, v = self.kv(x, cos, sin) if kv is None else kv
-        if cache is not None:
-            k, v = cache.update(start_pos, k, v)
-        y = attention(q, k, v, causal=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+    def forward(self, x, rope, cache=None):
+        # x: (B, T, dim); rope: (cos, sin) of its positions; cache: this layer's KVCache when decoding
+        q = self.query(x, rope)
+        k, v = self.kv(x, *rope)
+        if cache is not None:   # the queries are the LAST T positions of what the cache holds
+            k, v = cache.update(k, v)
+        return self.wo(merge_heads(attention(q, k, v, causal=True)))
+
+
+# What an upper layer's cross-attention reads (paper Eq. 3): the compressed K (rotated) and V of its lower layer,
+# (B, Hkv, S, hd) each; the rotation of the X_D queries to their chunk position (cos, sin), or None; a query scale.
+Cross = namedtuple("Cross", "k v q_rope scale")
 
 
 class CrossAttention(nn.Module):
@@ -219,17 +232,16 @@ class CrossAttention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def queries(self, x, q_rope, scale=1.0):
-        # x: (B, T, dim) -> (B, Hq, T, hd), rotated to chunk position n (q_rope: its cos, sin) unless chunk ids are off,
-        # and scaled by Memory.q_scale (1 within the trained length)
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        # x: (B, T, dim) -> (B, Hq, T, hd), rotated to chunk position n (q_rope) unless chunk ids are off, and scaled
+        # (1 unless log-n scaling is on and the context is longer than training's)
+        q = split_heads(self.wq(x), self.n_heads, self.head_dim)
         q = q if q_rope is None else apply_rope(q, *q_rope)
         return q if scale == 1.0 else q * scale
 
-    def forward(self, x, k, v, q_rope, scale=1.0):
-        # x: (B, T, dim); k, v: (B, Hkv, S, hd) for S compressed KVs
-        y = attention(self.queries(x, q_rope, scale), k, v, causal=False)   # the context precedes all of X_D: no mask
-        return self.wo(y.transpose(1, 2).reshape(*x.shape[:2], -1))
+    def forward(self, x, cross):
+        # x: (B, T, dim); cross: a Cross -> (B, T, dim)
+        y = attention(self.queries(x, cross.q_rope, cross.scale), cross.k, cross.v, causal=False)   # the context
+        return self.wo(merge_heads(y))                                                 # precedes X_D: no mask
 
 
 class FeedForward(nn.Module):
@@ -253,11 +265,11 @@ class Block(nn.Module):
         self.cross_norm = self.cross_attention = None   # attached by SharedLLM to the injection layers
         self.cross_src = None                           # which lower layer's K/V this layer reads
 
-    def forward(self, x, cos, sin, start_pos=0, cache=None, xkv=None, kv=None):
+    def forward(self, x, rope, cache=None, cross=None):
         # residual order: self-attention, then cross-attention (injection layers only), then the MLP
-        x = x + self.attention(self.attention_norm(x), cos, sin, start_pos, cache, kv)
-        if xkv is not None:
-            x = x + self.cross_attention(self.cross_norm(x), *xkv)
+        x = x + self.attention(self.attention_norm(x), rope, cache)
+        if cross is not None:
+            x = x + self.cross_attention(self.cross_norm(x), cross)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -286,20 +298,21 @@ class Llama(nn.Module):
         # memory: a compressed context from SharedLLM.compress, or None for the plain LLaMA.
         # last: logits for the last `last` positions only (0 = all): scoring a 16K-token window needs a few hundred
         B, T = idx.shape
-        cos, sin = self.rope(torch.arange(start_pos, start_pos + T, device=idx.device))
+        assert caches is None or caches[0].length == start_pos, "decode positions in order: start_pos = cache length"
+        rope = self.rope(torch.arange(start_pos, start_pos + T, device=idx.device))
         q_rope = None
         if memory is not None and memory.q_pos is not None:   # every X_D query sits at one chunk position (n)
             q_rope = [t[:, None] for t in self.rope(memory.q_pos[:, None].expand(B, T))]   # (B, 1, T, hd) each
         x = self.tok_embeddings(idx)
         for i, layer in enumerate(self.layers):
-            xkv = None
+            cross = None
             if memory is not None and layer.cross_attention is not None:
-                xkv = (*memory.kv[layer.cross_src], q_rope, memory.q_scale)
-            args = (x, cos, sin, start_pos, None if caches is None else caches[i], xkv)
+                cross = Cross(*memory.kv[layer.cross_src], q_rope, memory.q_scale)
+            cache = None if caches is None else caches[i]
             if self.checkpointing and self.training:   # recompute activations in backward: memory for time
-                x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, rope, cache, cross, use_reentrant=False)
             else:
-                x = layer(*args)
+                x = layer(x, rope, cache, cross)
         logits = self.output(self.norm(x[:, -last:] if last else x)).float()
         loss = None
         if targets is not None:   # targets: (B, T), -100 marks positions that are not scored
@@ -309,65 +322,6 @@ class Llama(nn.Module):
     def new_caches(self, batch, max_len):
         p = self.output.weight
         return [KVCache(batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim, p.device, p.dtype) for _ in self.layers]
-
-    def node_kv(self, idx, n_layers, keep, kv0=None):
-        # The lower model's job: run the bottom n_layers on idx (R, L) at positions 0..L-1 (causal, no
-        # cross-attention) and return each layer's self-attention K (after RoPE) and V at the kept positions
-        # keep (R, k): n_layers x (R, Hkv, k, hd). The last layer's output is never used, so it projects only
-        # the kept tokens' K and V. kv0: the first layer's K, V over idx (R, Hkv, L, hd) if already computed.
-        cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
-        x, kvs = self.tok_embeddings(idx), []
-        at = keep[:, None, :, None]                                           # (R, 1, k, 1)
-        kept = lambda kv: tuple(t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3])) for t in kv)
-        for i, layer in enumerate(self.layers[:n_layers]):
-            given = kv0 if i == 0 else None
-            if i < n_layers - 1:
-                kv = KeepKV()
-                x = layer(x, cos, sin, 0, kv, kv=given)
-                kvs.append(kept((kv.k, kv.v)))
-            elif given is not None:
-                kvs.append(kept(given))
-            else:
-                xk = x.gather(1, keep[:, :, None].expand(-1, -1, x.shape[2]))     # (R, k, dim)
-                kvs.append(layer.attention.kv(layer.attention_norm(xk), cos[keep][:, None], sin[keep][:, None]))
-        return kvs
-
-    def layer0_kv(self, idx):
-        # the first layer's K (after RoPE) and V over idx (R, L) at positions 0..L-1: (R, Hkv, L, hd) each
-        k, v = (t.transpose(1, 2) for t in self.token_kv(idx))
-        return apply_rope(k, *self.rope(torch.arange(idx.shape[1], device=idx.device))), v
-
-    def token_kv(self, idx):
-        # The first layer's K before RoPE, and V, of every token of idx (...): (..., Hkv, hd) each. The first layer reads
-        # the embedding, so these depend on the token alone; only K's rotation depends on where a sequence starts.
-        att = self.layers[0].attention
-        x = self.layers[0].attention_norm(self.tok_embeddings(idx))
-        return [w(x).unflatten(-1, (att.n_kv_heads, att.head_dim)) for w in (att.wk, att.wv)]
-
-    def retrieval_vec(self, idx, ends, starts=None, kv=None):
-        # The vector the `query` policy compares: first layer (attention + MLP) then the final norm, at the last
-        # position of a span, the span read as a sequence of its own. idx (R, L): token rows; ends, starts (R, S): S
-        # spans [start, end] per row (inclusive; starts None = 0) -> (R, S, dim).
-        # Only that one position's output is needed, so only it gets a query, attention and MLP: a few % of a first-
-        # layer pass. RoPE is relative, so a span inside a row sees the same scores as on its own when its keys are
-        # rotated at their row positions and its query at `end`: one rotation of the row's keys serves every span.
-        # kv: the first layer's K (rotated at 0..L-1), V of the rows (R, Hkv, L, hd), if already computed.
-        R, S = ends.shape
-        layer, att = self.layers[0], self.layers[0].attention
-        k, v = self.layer0_kv(idx) if kv is None else kv                      # (R, Hkv, L, hd)
-        x = self.tok_embeddings(idx.gather(1, ends))                            # (R, S, dim)
-        cos, sin = self.rope(ends)                                              # (R, S, hd)
-        q = att.wq(layer.attention_norm(x)).view(R, S, att.n_kv_heads, -1, att.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos[:, None, :, None], sin[:, None, :, None])        # (R, Hkv, S, Hq/Hkv, hd)
-        # one query per span: a plain softmax over its own keys, in fp32
-        s = (q.float().flatten(2, 3) @ k.float().transpose(-2, -1)).unflatten(2, q.shape[2:4])   # (R, Hkv, S, G, L)
-        pos = torch.arange(k.shape[2], device=idx.device)
-        lo = 0 if starts is None else starts[..., None]
-        outside = (pos > ends[..., None]) | (pos < lo)                          # (R, S, L)
-        s = s.masked_fill(outside[:, None, :, None], float("-inf")) / math.sqrt(att.head_dim)
-        y = (s.softmax(dim=-1).flatten(2, 3) @ v.float()).unflatten(2, q.shape[2:4])   # (R, Hkv, S, G, hd)
-        x = x + att.wo(y.permute(0, 2, 1, 3, 4).reshape(R, S, -1).to(x.dtype))      # heads in order
-        return self.norm(x + layer.feed_forward(layer.ffn_norm(x)))
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None, memory=None, eos_id=None):
@@ -407,29 +361,27 @@ def sample_next(logits, temperature=0.0, top_k=None, top_p=None):
 
 @dataclass
 class SharedConfig:
-    # The recommended settings, the same as train.py's default recipe (a test keeps them equal); where the paper's
-    # differ, the comment says so (docs/differences.md has the table). Sizes (M, C) are the paper's LLaMA-2 ones.
-    n_lower: int = 4          # M: layers of the lower model = cross-attention layers of the upper (paper: 4 LM, 16 SFT)
+    # The recommended settings, the same as train.py's default recipe (a test keeps them equal); docs/differences.md
+    # compares them with the paper's. Sizes (M, C) are the paper's LLaMA-2 ones.
+    n_lower: int = 4          # M: lower-model layers = cross-attention layers of the upper (paper: 4 LM, 16 SFT)
     chunk_size: int = 1024    # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
     height: int = 3           # h: levels of the context tree below the root
     beta: int = 8             # overall compression: C / (KVs kept per chunk)
-    policy: str = "query"     # which child to expand: "query" (cosine with the query; a row with no query, as in language
-                              # modeling, goes right) or "right" (always the most recent half: the paper's LM policy)
-    keep: str = "last"        # which token of each stride window keeps its KV: "last", or "first" (released code)
-    noise: float = 0.0        # training-time split noise, sigma = l / noise; 0 = exact halves (paper: 5 LM, 10 SFT)
+    policy: str = "query"     # which child to expand: "query" (cosine with the query; a row with no query, as in
+                              # language modeling, goes right) or "right" (always the most recent half: the paper's LM)
+    noise: float = 0.0        # the split noise's gamma (Algorithm 1): eps ~ N(0, sigma^2) in training, sigma = l / gamma
+                              # (l: the node's length), so LARGER means LESS noise; 0 = exact halves (paper: 5 LM, 10 SFT)
     chunk_ids: str = "clamp"  # chunk-level position ids in cross-attention (Eq. 2): "plain" (the paper: keys of chunk i
-                              # at i, queries at n); "clamp" (plain for the max_chunk_dist most recent chunks, every older
-                              # chunk at that largest distance: no query-key distance beyond what training saw);
-                              # "random" (plain at inference; in training each sample's chunks sit at sorted random
-                              # ids up to max_chunk_id, the queries right after the last one); or "off" (the ablation)
-    max_chunk_dist: int = 4   # "clamp": the largest chunk distance a query sees; logn_scale: the trained n (train.py:
-                              # its n_chunks)
-    logn_scale: bool = False  # (not in the paper) beyond max_chunk_dist chunks, scale cross-attention queries by
-                              # log(keys) / log(trained keys)
-    max_chunk_id: int = 1024  # "random": the largest id drawn in training, so the longest context that stays in
-                              # distribution is max_chunk_id chunks
-    inject: str = "bottom"    # which upper layers cross-attend: "bottom" M, "top" M, or "interleaved" every N/M
-    lower: str = "shared"     # "shared": the upper's own bottom M layers; "copy": a frozen copy of them
+                              # at i, queries at n), "off" (the ablation), or "clamp" / "random" (below)
+    # --- beyond the paper (see "Options beyond the paper" at the end of this file) ---
+    max_chunk_dist: int = 4   # "clamp": plain ids for the max_chunk_dist most recent chunks, every older chunk at that
+                              # largest distance; logn_scale: the trained n (train.py: its n_chunks)
+    max_chunk_id: int = 1024  # "random": in training each sample's chunks sit at sorted random ids up to max_chunk_id
+    logn_scale: bool = False  # beyond max_chunk_dist chunks, scale cross-attention queries by log(keys) / log(trained
+                              # keys)
+    inject: str = "bottom"    # which upper layers cross-attend: "bottom" M (the paper), "top" M, or "interleaved"
+    lower: str = "shared"     # "shared": the upper's own bottom M layers (the paper); "copy": a frozen copy of them
+    keep: str = "last"        # which token of each stride window keeps its KV: "last", or "first" (the released code)
 
     def __post_init__(self):
         if isinstance(self.chunk_ids, bool):   # older checkpoints and code said True / False
@@ -464,52 +416,22 @@ class Memory:
     q_scale: float = 1.0      # the cross-attention queries' scale (SharedConfig.logn_scale)
 
 
-def injection_layers(n_layers, m, where):
-    # which upper layers get cross-attention; the j-th of them reads lower layer j
-    if where == "bottom":
-        return list(range(m))
-    if where == "top":
-        return list(range(n_layers - m, n_layers))
-    stride = n_layers // m   # "interleaved": layers stride-1, 2*stride-1, ... (paper: 4, 8, 12, ... counted from 1)
-    return [(j + 1) * stride - 1 for j in range(m)]
-
-
-def to_device(values, device):
-    # a small index list made on the host, sent without waiting for the device: torch.tensor(values, device="cuda")
-    # would first wait for all queued GPU work (a host sync per tree level and per encoding call)
-    return torch.tensor(values).to(device, non_blocking=True)
-
-
-def gather_spans(rows, row_ids, spans):
-    # rows: (R0, C) token ids; spans[i] = (start, end) inside rows[row_ids[i]]. Returns (R, L) tokens right-padded
-    # by repeating each span's last token (harmless: every consumer is causal and reads only real positions), and
-    # the (R, L) positions of those tokens in rows.flatten() (to gather anything kept per context token alike).
-    dev, C = rows.device, rows.shape[1]
-    lens = [e - s for s, e in spans]
-    starts = to_device([r * C + s for r, (s, _) in zip(row_ids, spans)], dev)
-    at = starts[:, None] + torch.minimum(torch.arange(max(lens), device=dev)[None], to_device(lens, dev)[:, None] - 1)
-    return rows.reshape(-1)[at], at
-
-
 class SharedLLM(nn.Module):
     def __init__(self, llama, scfg):
         super().__init__()
         cfg, m = llama.cfg, scfg.n_lower
         if not 1 <= m <= cfg.n_layers:
             raise ValueError(f"n_lower (M) = {m}; the model has {cfg.n_layers} layers")
-        self.scfg, self.upper, self.lower = scfg, llama, None
-        if scfg.lower == "copy":   # its own frozen copy of the embedding, bottom M layers and final norm
-            self.lower = copy.deepcopy(llama)
-            self.lower.layers, self.lower.output = self.lower.layers[:m], None
-            self.lower.requires_grad_(False)
+        self.scfg, self.upper = scfg, llama
+        self.lower = frozen_copy(llama, m) if scfg.lower == "copy" else None   # None: the upper's own bottom M layers
         p = llama.output.weight
         for j, i in enumerate(injection_layers(cfg.n_layers, m, scfg.inject)):
             blk = llama.layers[i]
             blk.cross_norm = RMSNorm(cfg.dim, cfg.norm_eps).to(p.device, p.dtype)
             blk.cross_attention = CrossAttention(cfg).to(p.device, p.dtype)
             blk.cross_src = j
-            # Init: the layer's own query (its norm and wq) and a zero output projection, so an untrained
-            # SharedLLM returns exactly its base LLaMA's output. (Released code: random N(0, 0.02) for both.)
+            # The layer's own query (its norm and wq) and a zero output projection: an untrained SharedLLM returns
+            # exactly its base LLaMA's output, so training starts from the pretrained model and only adds.
             with torch.no_grad():
                 blk.cross_norm.weight.copy_(blk.attention_norm.weight)
                 blk.cross_attention.wq.weight.copy_(blk.attention.wq.weight)
@@ -529,117 +451,6 @@ class SharedLLM(nn.Module):
         return [p for n, p in low.named_parameters() if n.startswith("tok_embeddings")
                 or (n.startswith("layers.") and int(n.split(".")[1]) < self.scfg.n_lower and ".cross_" not in n)]
 
-    def compress(self, context, idx=None, query_len=None):
-        # context: (B, n, C) token ids of X_C; idx: (B, T) the running text X_D; query_len: (B,) how many leading
-        # tokens of X_D are the query for the "query" policy. None (or 0 for a row) means no query: language
-        # modeling, where the paper's policy is "right". (Taking all of X_D as the query would let the tree choice
-        # depend on the very tokens being predicted.)
-        s, low = self.scfg, self.lower_model()
-        B, n, C = context.shape
-        if C != s.chunk_size:
-            raise ValueError(f"context chunks have {C} tokens; this model's chunk_size C is {s.chunk_size}")
-        rows = context.reshape(B * n, C)                                # one tree per (batch item, chunk)
-        frozen = not any(p.requires_grad for p in self.lower_parameters())
-        grad = torch.no_grad() if frozen else nullcontext()            # else the caller's mode (eval: no_grad)
-        decide, tok_kv = None, None   # query policy: the first layer's K/V of every context token (below)
-
-        def layer0_kv(at):
-            # the first layer's K (rotated to positions 0..L-1) and V of the spans laid out as `at` (R, L) from
-            # gather_spans, taken from tok_kv: (R, Hkv, L, hd) each. Nothing is projected again.
-            k, v = (t[at].transpose(1, 2) for t in tok_kv)                      # (R, Hkv, L, hd)
-            return apply_rope(k, *low.rope(torch.arange(at.shape[1], device=at.device))), v
-
-        query_len = None if query_len is None else torch.as_tensor(query_len).cpu()   # the tree reads it on the host
-        if s.policy == "query" and query_len is not None and bool((query_len > 0).any()):
-            if idx is None:
-                raise ValueError("policy 'query' needs the running text idx (the query)")
-            no_query = (query_len == 0).repeat_interleave(n).tolist()  # these rows go right
-            with torch.no_grad():
-                last = (query_len - 1).clamp(min=0).to(idx.device)
-                q = self.upper.retrieval_vec(idx, last[:, None])[:, 0].repeat_interleave(n, dim=0)  # (B*n, dim)
-            # The first layer's K/V depend on each token alone (its embedding, normed and projected); only K's rotation
-            # depends on where a span starts. So every context token is projected once, here: the search reads the
-            # keys rotated once at their chunk positions (RoPE is relative: a span sees the same scores there as on
-            # its own), and the encoding takes each node's rows and rotates them to the node's own positions.
-            with grad:
-                tok_kv = low.token_kv(rows.reshape(-1))                            # (B*n*C, Hkv, hd) each
-            with torch.no_grad():
-                kv_rows = [t.view(B * n, C, *t.shape[1:]).transpose(1, 2) for t in tok_kv]   # (B*n, Hkv, C, hd)
-                kv_rows[0] = apply_rope(kv_rows[0], *low.rope(torch.arange(C, device=rows.device)))
-
-            def decide(level, lefts, rights):   # each chunk compares the query with ITS OWN two children
-                ends = to_device([[l_end - 1, r_end - 1] for (_, l_end), (_, r_end) in zip(lefts, rights)], rows.device)
-                starts = to_device([[l_start, r_start] for (l_start, _), (r_start, _) in zip(lefts, rights)], rows.device)
-                with torch.no_grad():   # both children of every tree in one batched call; no gradient in the choice
-                    h = low.retrieval_vec(rows, ends, starts, kv_rows)                  # (B*n, 2, dim)
-                closer = (F.cosine_similarity(q, h[:, 1], dim=-1) > F.cosine_similarity(q, h[:, 0], dim=-1)).tolist()
-                return [r or nq for r, nq in zip(closer, no_query)]
-        nodes = tree.search(B * n, C, s.height, s.beta, decide, s.noise if self.training else 0.0)
-
-        # encode: every preserved node is its own sequence at positions 0.., batched by level, at most about
-        # ENCODE_TOKENS tokens per call: a bounded working set keeps a long context's compression at the speed of
-        # a short one's (on a 2-core CPU one call over 64K tokens ran at half the matmul rate) and its memory flat
-        flat = [([], []) for _ in range(s.n_lower)]   # per layer: K and V blocks, each (R_call * k_level, Hkv, hd)
-        where, offset = {}, 0        # (row, node start) -> index of its first kept KV in the flat list
-        for level in range(1, s.height + 1):
-            at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
-            step = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
-            for sel in (at_level[i:i + step] for i in range(0, len(at_level), step)):
-                tokens, at = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
-                keep = to_device([tree.keep_index(len(nd), nd.kept, s.keep) for _, nd in sel], rows.device)
-                with grad:
-                    kv0 = None if tok_kv is None else layer0_kv(at)
-                    kvs = low.node_kv(tokens, s.n_lower, keep, kv0)         # n_lower x (R, Hkv, k, hd): the kept KVs
-                R, k = keep.shape
-                for j, kv in enumerate(kvs):
-                    for blocks, t in zip(flat[j], kv):
-                        blocks.append(t.transpose(1, 2).reshape(R * k, t.shape[1], t.shape[3]))
-                for i, (r, nd) in enumerate(sel):
-                    where[r, nd.start] = offset + i * k
-                offset += R * k
-        # reorder into (batch, chunk, node in text order, kept KV) and apply chunk-level position ids
-        order = to_device([where[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds for t in range(nd.kept)],
-                          rows.device)
-        S = sum(nd.kept for nd in nodes[0])                                   # KVs per chunk, the same for all
-        k_pos, q_pos = self.chunk_positions(B, n, rows.device) if s.chunk_ids != "off" else (None, None)
-        kv = []
-        for K, V in ((torch.cat(ks), torch.cat(vs)) for ks, vs in flat):
-            K, V = (t[order].view(B, n * S, *t.shape[1:]).transpose(1, 2) for t in (K, V))   # (B, Hkv, n*S, hd)
-            if k_pos is not None:   # keys of chunk i at its chunk position, on top of their node-local rotation (Eq. 2)
-                K = apply_rope(K, *[t[:, None] for t in self.upper.rope(k_pos.repeat_interleave(S, dim=1))])
-            kv.append((K, V))
-        q_scale = 1.0
-        if s.logn_scale and n > s.max_chunk_dist:
-            # more keys than training ever showed: sharpen the softmax by log(keys) / log(keys at the trained length),
-            # so that the few keys that matter keep their weight against many more (attention entropy as trained:
-            # Chiang & Cholak 2022; Qwen's log-n scaling). Within the trained length: exactly 1, the paper's attention.
-            q_scale = math.log(n * S) / math.log(max(2, s.max_chunk_dist * S))
-        return Memory(kv, q_pos, nodes, q_scale)
-
-    def chunk_positions(self, B, n, device):
-        # -> keys' chunk ids (B, n) and the queries' id (B,). Plain (and "random" at inference): 0..n-1 and n.
-        # "clamp": ids below n - max_chunk_dist are raised to it, so every chunk older than the max_chunk_dist most
-        # recent ones sits at the largest distance training saw (ReRoPE, Su 2023, clamps token distances this way).
-        # With n <= max_chunk_dist (training) it IS plain; at n = 256 the 4 nearest chunks keep their order.
-        # "random" in training: n distinct ids drawn from 0..span-1 and sorted, the queries one past the last of them
-        # (X_D directly follows the last chunk, as in the text), with the span drawn log-uniformly from n..max_chunk_id:
-        # dense ids (as at inference) and every scale of distance up to max_chunk_id are all seen, each octave as often
-        # (Ruoss et al., 2023: randomized positional encodings). Order stays visible.
-        s = self.scfg
-        if s.chunk_ids == "random" and self.training:
-            if n > s.max_chunk_id:
-                raise ValueError(f"{n} chunks need chunk ids up to {n}; max_chunk_id is {s.max_chunk_id}")
-            u = torch.rand(B, 1, device=device)
-            span = (n * ((s.max_chunk_id + 1) / n) ** u).long().clamp(n, s.max_chunk_id)     # (B, 1)
-            draw = torch.rand(B, s.max_chunk_id, device=device)
-            draw[torch.arange(s.max_chunk_id, device=device)[None] >= span] = 2.0             # never drawn: >= span
-            ids = draw.argsort(dim=1)[:, :n].sort(dim=1).values                               # (B, n)
-            return ids, ids[:, -1] + 1
-        ids = torch.arange(n + 1, device=device)
-        if s.chunk_ids == "clamp":
-            ids[:n] = ids[:n].clamp(min=n - s.max_chunk_dist)
-        return ids[:n].expand(B, n), ids[n].expand(B)
-
     def forward(self, context, idx, targets=None, query_len=None):
         # context: (B, n, C) or None; idx, targets: (B, T) -> logits (B, T, vocab), loss
         memory = None if context is None or context.shape[1] == 0 else self.compress(context, idx, query_len)
@@ -649,3 +460,262 @@ class SharedLLM(nn.Module):
     def generate(self, context, idx, max_new_tokens, query_len=None, **sampling):
         memory = self.compress(context, idx, query_len)   # once: the tree and the compressed KVs stay fixed
         return self.upper.generate(idx, max_new_tokens, memory=memory, **sampling)
+
+    def compress(self, context, idx=None, query_len=None):
+        # The paper's method in four steps. context: (B, n, C) token ids of X_C; idx: (B, T) the running text X_D;
+        # query_len: (B,) how many leading tokens of X_D are the query for the "query" policy. None (or 0 for a row)
+        # means no query: language modeling, where the paper's policy is "right". (Taking all of X_D as the query
+        # would let the tree choice depend on the very tokens being predicted.) -> Memory
+        B, n, C = context.shape
+        if C != self.scfg.chunk_size:
+            raise ValueError(f"context chunks have {C} tokens; this model's chunk_size C is {self.scfg.chunk_size}")
+        rows = context.reshape(B * n, C)                                # one context tree per (batch item, chunk)
+        query_len = None if query_len is None else torch.as_tensor(query_len).cpu()   # the tree reads it on the host
+        frozen = not any(p.requires_grad for p in self.lower_parameters())
+        with torch.no_grad() if frozen else nullcontext():              # else the caller's mode (eval: no_grad)
+            decide, first_kv = None, None                               # no query: "always right"
+            if self.scfg.policy == "query" and query_len is not None and bool((query_len > 0).any()):
+                # the first layer's K/V of every context token, projected once: the search reads them, and the
+                # batched encoding reuses them for the nodes it keeps
+                first_kv = first_layer_kv(self.lower_model(), rows.reshape(-1))   # (B*n*C, Hkv, hd) each
+                decide = self.query_policy(rows, idx, query_len, first_kv)        # 1. the query-aware policy
+            noise = self.scfg.noise if self.training else 0.0
+            nodes = tree.search(B * n, C, self.scfg.height, self.scfg.beta, decide, noise)   # 2. Algorithm 1
+            kv = self.encode_nodes(rows, nodes, first_kv)               # 3. the preserved nodes' kept K/V (Sec. 3.2)
+            return self.chunk_level_kv(kv, nodes, B, n)                 # 4. chunk-level position ids (Eq. 2)
+
+    def query_policy(self, rows, idx, query_len, first_kv):
+        # Step 1 (Sec. 3.2, query-aware search): at each level, every tree compares the query with ITS OWN two children
+        # and expands the more similar one (cosine of retrieval vectors); a row whose sample has no query goes right.
+        # rows: (B*n, C) context tokens; idx: (B, T) X_D; query_len: (B,) on the host; first_kv: the first layer's
+        # K (not yet rotated) and V of every context token, (B*n*C, Hkv, hd) each -> decide(level, lefts, rights)
+        low, (R, C), n = self.lower_model(), rows.shape, rows.shape[0] // idx.shape[0]
+        no_query = (query_len == 0).repeat_interleave(n).tolist()
+        with torch.no_grad():   # a discrete choice: no gradient flows through it
+            last = (query_len - 1).clamp(min=0).to(idx.device)
+            q = retrieval_vector(self.upper, idx, last[:, None])[:, 0].repeat_interleave(n, dim=0)   # (B*n, dim)
+            # RoPE is relative: a span inside a row sees the same scores as on its own when the row's keys are rotated
+            # once at their row positions, so one rotation serves every span the search compares
+            k, v = (t.view(R, C, *t.shape[1:]).transpose(1, 2) for t in first_kv)                  # (B*n, Hkv, C, hd)
+            rows_kv = (apply_rope(k, *low.rope(torch.arange(C, device=rows.device))), v)
+
+        def decide(level, lefts, rights):   # lefts, rights: per tree, its children's (start, end) -> expand right?
+            ends = to_device([[l_end - 1, r_end - 1] for (_, l_end), (_, r_end) in zip(lefts, rights)], rows.device)
+            starts = to_device([[l_start, r_start] for (l_start, _), (r_start, _) in zip(lefts, rights)], rows.device)
+            with torch.no_grad():   # both children of every tree in one call
+                h = retrieval_vector(low, rows, ends, starts, rows_kv)                  # (B*n, 2, dim)
+            right_closer = F.cosine_similarity(q, h[:, 1], dim=-1) > F.cosine_similarity(q, h[:, 0], dim=-1)
+            return [r or nq for r, nq in zip(right_closer.tolist(), no_query)]
+        return decide
+
+    def encode_nodes(self, rows, nodes, first_kv=None):
+        # Step 3 (Sec. 3.2), batched: what encode_nodes_reference does one node at a time, for many nodes per call.
+        # The nodes of one level have about the same length, so they go through the lower model together, right-padded,
+        # about ENCODE_TOKENS tokens per call (a bounded working set: a long context compresses at a short one's speed,
+        # in flat memory). rows: (B*n, C); nodes: per row, its preserved tree.Nodes; first_kv: see compress
+        # -> per lower layer (K, V), each (all kept KVs, Hkv, hd), in text order: row, node, kept position
+        if ENCODE_PATH == "reference":
+            return self.encode_nodes_reference(rows, nodes)
+        low, cfg = self.lower_model(), self.scfg
+        calls = [([], []) for _ in range(cfg.n_lower)]   # per layer: each call's kept K and V, (R * n_kept, Hkv, hd)
+        first_in_calls, done = {}, 0                     # (row, node start) -> its first kept KV's index in the calls
+        for level in range(1, cfg.height + 1):
+            at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
+            per_call = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
+            for sel in (at_level[i:i + per_call] for i in range(0, len(at_level), per_call)):
+                tokens, at = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
+                kept_at = to_device([tree.keep_index(len(nd), nd.kept, cfg.keep) for _, nd in sel], rows.device)
+                kv0 = None if first_kv is None else spans_first_kv(low, first_kv, at)
+                for j, kv in enumerate(lower_kv(low, tokens, cfg.n_lower, kept_at, kv0)):   # (R, Hkv, n_kept, hd)
+                    for out, t in zip(calls[j], kv):
+                        out.append(t.transpose(1, 2).flatten(0, 1))
+                for i, (r, nd) in enumerate(sel):
+                    first_in_calls[r, nd.start] = done + i * kept_at.shape[1]
+                done += kept_at.numel()
+        order = to_device([first_in_calls[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
+                           for t in range(nd.kept)], rows.device)    # text order -> index in the calls
+        return [(torch.cat(ks)[order], torch.cat(vs)[order]) for ks, vs in calls]
+
+    def encode_nodes_reference(self, rows, nodes):
+        # Step 3 (Sec. 3.2), the obviously correct way: each preserved node is a sequence of its own (positions
+        # 0..len-1) through the lower model, its bottom M blocks with no cross-attention; each block's KV cache then
+        # holds exactly the K (rotated) and V the paper keeps, read at the node's kept positions. Same in/out as
+        # encode_nodes, which is tested equal to this in values and gradients.
+        low, cfg = self.lower_model(), self.scfg
+        kv = [([], []) for _ in range(cfg.n_lower)]
+        for r, row_nodes in enumerate(nodes):
+            for nd in row_nodes:
+                tokens = rows[r:r + 1, nd.start:nd.end]                                 # (1, len)
+                x, rope = low.tok_embeddings(tokens), low.rope(torch.arange(len(nd), device=rows.device))
+                caches = [KVCache(1, low.cfg.n_kv_heads, len(nd), low.cfg.head_dim, rows.device, x.dtype)
+                          for _ in range(cfg.n_lower)]
+                for block, cache in zip(low.layers, caches):
+                    x = block(x, rope, cache)
+                kept_at = tree.keep_index(len(nd), nd.kept, cfg.keep)
+                for j, cache in enumerate(caches):                                      # (n_kept, Hkv, hd) each
+                    kv[j][0].append(cache.k[0, :, kept_at].transpose(0, 1))
+                    kv[j][1].append(cache.v[0, :, kept_at].transpose(0, 1))
+        return [(torch.cat(ks), torch.cat(vs)) for ks, vs in kv]
+
+    def chunk_level_kv(self, kv, nodes, B, n):
+        # Step 4 (Eq. 2): each chunk's kept K/V side by side, every key of chunk i rotated to chunk position i on top
+        # of its node-local rotation, and every X_D query placed at position n (Llama.forward rotates it). RoPE then
+        # gives a query-key angle of (n - i) chunks: the upper model sees the order of the chunks.
+        # kv: per lower layer (K, V), each (B*n*S, Hkv, hd) in text order -> Memory with (B, Hkv, n*S, hd) each
+        S = sum(nd.kept for nd in nodes[0])                                   # KVs kept per chunk, the same for all
+        device = kv[0][0].device
+        k_pos, q_pos = self.chunk_positions(B, n, device) if self.scfg.chunk_ids != "off" else (None, None)
+        k_rope = None if k_pos is None else [t[:, None] for t in self.upper.rope(k_pos.repeat_interleave(S, dim=1))]
+        out = []
+        for K, V in kv:
+            K, V = (t.view(B, n * S, *t.shape[1:]).transpose(1, 2) for t in (K, V))   # (B, Hkv, n*S, hd)
+            out.append((K if k_rope is None else apply_rope(K, *k_rope), V))
+        return Memory(out, q_pos, nodes, logn_scale(self.scfg, n, S))
+
+    def chunk_positions(self, B, n, device):
+        # -> the keys' chunk ids (B, n) and the queries' (B,): chunk i at i, X_D at n (paper Eq. 2)
+        if self.scfg.chunk_ids in ("clamp", "random"):
+            return other_chunk_positions(self.scfg, B, n, device, self.training)
+        ids = torch.arange(n + 1, device=device)
+        return ids[:n].expand(B, n), ids[n].expand(B)
+
+# -----------------------------------------------------------------------------
+# the lower model's pieces: LLaMA modules used as SharedLLM needs them
+
+
+def lower_kv(llama, tokens, n_layers, kept_at, kv0=None):
+    # The lower model on R nodes at once: the bottom n_layers blocks over tokens (R, L) at positions 0..L-1 (causal,
+    # no cross-attention) -> per layer its self-attention K (rotated) and V at the kept positions kept_at (R, n_kept):
+    # n_layers x (K, V), each (R, Hkv, n_kept, hd). kv0: the first layer's K, V over tokens, if already computed.
+    cos, sin = llama.rope(torch.arange(tokens.shape[1], device=tokens.device))
+    x, out = llama.tok_embeddings(tokens), []
+    at = kept_at[:, None, :, None]                                                # (R, 1, n_kept, 1)
+    take = lambda t: t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3]))      # (R, Hkv, L, hd) -> kept
+    for i, block in enumerate(llama.layers[:n_layers]):
+        att, given = block.attention, (kv0 if i == 0 else None)
+        if i == n_layers - 1:   # the last block's output is never used: only the kept tokens' K and V
+            if given is not None:
+                out.append((take(given[0]), take(given[1])))
+            else:
+                xk = x.gather(1, kept_at[:, :, None].expand(-1, -1, x.shape[2]))       # (R, n_kept, dim)
+                out.append(att.kv(block.attention_norm(xk), cos[kept_at][:, None], sin[kept_at][:, None]))
+            break
+        h = block.attention_norm(x)   # the block's forward, written out to keep its K and V
+        q = att.query(h, (cos, sin))
+        k, v = att.kv(h, cos, sin) if given is None else given                   # (R, Hkv, L, hd)
+        x = x + att.wo(merge_heads(attention(q, k, v, causal=True)))
+        x = x + block.feed_forward(block.ffn_norm(x))
+        out.append((take(k), take(v)))
+    return out
+
+
+def first_layer_kv(llama, tokens):
+    # The first layer's K (before RoPE) and V of every token of tokens (...): (..., Hkv, hd) each. The first layer reads
+    # the embedding, so these depend on the token alone; only K's rotation depends on where a sequence starts. The
+    # query policy computes them once for all context tokens; the encoding then reuses them (spans_first_kv).
+    att = llama.layers[0].attention
+    x = llama.layers[0].attention_norm(llama.tok_embeddings(tokens))
+    return [w(x).unflatten(-1, (att.n_kv_heads, att.head_dim)) for w in (att.wk, att.wv)]
+
+
+def spans_first_kv(llama, first_kv, at):
+    # the first layer's K, rotated to positions 0..L-1, and V of the spans laid out as `at` (R, L) by gather_spans,
+    # taken from first_kv (B*n*C, Hkv, hd): (R, Hkv, L, hd) each. Nothing is projected again.
+    k, v = (t[at].transpose(1, 2) for t in first_kv)
+    return apply_rope(k, *llama.rope(torch.arange(at.shape[1], device=at.device))), v
+
+
+def retrieval_vector(llama, idx, ends, starts=None, kv=None):
+    # The vector the query policy compares: the first layer (attention + MLP) then the final norm, at the last position
+    # of a span, the span read as a sequence of its own. idx (R, L): token rows; ends, starts (R, n_spans): spans
+    # [start, end] per row (inclusive; starts None = 0) -> (R, n_spans, dim). Only that one position's output is
+    # needed, so only it gets a query, attention and MLP. kv: the first layer's K (rotated at 0..L-1), V of the rows.
+    R, n_spans = ends.shape
+    layer, att = llama.layers[0], llama.layers[0].attention
+    if kv is None:
+        k, v = (t.transpose(1, 2) for t in first_layer_kv(llama, idx))                   # (R, Hkv, L, hd)
+        kv = apply_rope(k, *llama.rope(torch.arange(idx.shape[1], device=idx.device))), v
+    k, v = kv
+    x = llama.tok_embeddings(idx.gather(1, ends))                                        # (R, n_spans, dim)
+    cos, sin = llama.rope(ends)                                                          # (R, n_spans, hd)
+    q = att.wq(layer.attention_norm(x)).view(R, n_spans, att.n_kv_heads, -1, att.head_dim).transpose(1, 2)
+    q = apply_rope(q, cos[:, None, :, None], sin[:, None, :, None])           # (R, Hkv, n_spans, G, hd), G = Hq/Hkv
+    # one query per span: a plain softmax over its own keys, in fp32
+    scores = (q.float().flatten(2, 3) @ k.float().transpose(-2, -1)).unflatten(2, q.shape[2:4])   # (R,Hkv,n_spans,G,L)
+    pos = torch.arange(k.shape[2], device=idx.device)
+    lo = 0 if starts is None else starts[..., None]
+    outside = (pos > ends[..., None]) | (pos < lo)                                       # (R, n_spans, L)
+    scores = scores.masked_fill(outside[:, None, :, None], float("-inf")) / math.sqrt(att.head_dim)
+    y = (scores.softmax(dim=-1).flatten(2, 3) @ v.float()).unflatten(2, q.shape[2:4])   # (R, Hkv, n_spans, G, hd)
+    x = x + att.wo(y.permute(0, 2, 1, 3, 4).reshape(R, n_spans, -1).to(x.dtype))               # heads in order
+    return llama.norm(x + layer.feed_forward(layer.ffn_norm(x)))
+
+
+def to_device(values, device):
+    # a small index list made on the host, sent without waiting for the device: torch.tensor(values, device="cuda")
+    # would first wait for all queued GPU work (a host sync per tree level and per encoding call)
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
+def gather_spans(rows, row_ids, spans):
+    # rows: (R0, C) token ids; spans[i] = (start, end) inside rows[row_ids[i]]. Returns (R, L) tokens right-padded
+    # by repeating each span's last token (harmless: every consumer is causal and reads only real positions), and
+    # the (R, L) positions of those tokens in rows.flatten() (to gather anything kept per context token alike).
+    dev, C = rows.device, rows.shape[1]
+    lens = [e - s for s, e in spans]
+    starts = to_device([r * C + s for r, (s, _) in zip(row_ids, spans)], dev)
+    at = starts[:, None] + torch.minimum(torch.arange(max(lens), device=dev)[None], to_device(lens, dev)[:, None] - 1)
+    return rows.reshape(-1)[at], at
+
+# -----------------------------------------------------------------------------
+# Options beyond the paper. The default path above reads without them; each is a SharedConfig setting, off unless
+# named, and docs/differences.md says what it changes and what it measured.
+
+
+def other_chunk_positions(scfg, B, n, device, training):
+    # Chunk ids other than the paper's plain 0..n-1 (keys) and n (queries):
+    # "clamp": ids below n - max_chunk_dist are raised to it, so every chunk older than the max_chunk_dist most recent
+    #   ones sits at the largest distance training saw (ReRoPE, Su 2023, clamps token distances this way). With
+    #   n <= max_chunk_dist (training) it IS plain.
+    # "random" (plain at inference): in training n distinct ids drawn from 0..span-1 and sorted, the queries one past
+    #   the last of them, with the span drawn log-uniformly from n..max_chunk_id: dense ids and every scale of distance
+    #   up to max_chunk_id are all seen, each octave as often (Ruoss et al., 2023: randomized positional encodings).
+    if scfg.chunk_ids == "random" and training:
+        if n > scfg.max_chunk_id:
+            raise ValueError(f"{n} chunks need chunk ids up to {n}; max_chunk_id is {scfg.max_chunk_id}")
+        u = torch.rand(B, 1, device=device)
+        span = (n * ((scfg.max_chunk_id + 1) / n) ** u).long().clamp(n, scfg.max_chunk_id)   # (B, 1)
+        draw = torch.rand(B, scfg.max_chunk_id, device=device)
+        draw[torch.arange(scfg.max_chunk_id, device=device)[None] >= span] = 2.0            # never drawn: >= span
+        ids = draw.argsort(dim=1)[:, :n].sort(dim=1).values                                 # (B, n)
+        return ids, ids[:, -1] + 1
+    ids = torch.arange(n + 1, device=device)
+    if scfg.chunk_ids == "clamp":
+        ids[:n] = ids[:n].clamp(min=n - scfg.max_chunk_dist)
+    return ids[:n].expand(B, n), ids[n].expand(B)
+
+
+def logn_scale(scfg, n, S):
+    # The cross-attention queries' scale. With logn_scale on and more chunks than training saw (n > max_chunk_dist):
+    # log(keys) / log(keys at the trained length), sharpening the softmax so that the few keys that matter keep their
+    # weight against many more (attention entropy as trained: Chiang & Cholak 2022; Qwen's log-n scaling). Else 1.
+    if not scfg.logn_scale or n <= scfg.max_chunk_dist:
+        return 1.0
+    return math.log(n * S) / math.log(max(2, scfg.max_chunk_dist * S))
+
+
+def injection_layers(n_layers, m, where):
+    # which upper layers get cross-attention; the j-th of them reads lower layer j. "bottom" is the paper's.
+    if where == "bottom":
+        return list(range(m))
+    if where == "top":
+        return list(range(n_layers - m, n_layers))
+    stride = n_layers // m   # "interleaved": layers stride-1, 2*stride-1, ... (4, 8, 12, ... counted from 1)
+    return [(j + 1) * stride - 1 for j in range(m)]
+
+
+def frozen_copy(llama, m):
+    # lower="copy": the lower model as its own frozen copy of the embedding, the bottom m blocks and the final norm
+    lower = copy.deepcopy(llama)
+    lower.layers, lower.output = lower.layers[:m], None
+    return lower.requires_grad_(False)

@@ -113,8 +113,8 @@ def search(n_chunks, chunk_size, height, beta, decide=None, noise=0.0, rng=None)
         go_right = [True] * n_chunks if decide is None else list(decide(level, lefts, rights))
         assert len(go_right) == n_chunks, f"decide returned {len(go_right)} choices for {n_chunks} chunks"
         for i in range(n_chunks):
-            keep, current[i] = (lefts[i], rights[i]) if go_right[i] else (rights[i], lefts[i])
-            preserved[i].append(Node(*keep, level, budget[level]))
+            kept_span, current[i] = (lefts[i], rights[i]) if go_right[i] else (rights[i], lefts[i])
+            preserved[i].append(Node(*kept_span, level, budget[level]))
     for nodes in preserved:                            # invariants: spans tile the chunk, no gap, no overlap
         nodes.sort(key=lambda nd: nd.start)
         assert nodes[0].start == 0 and nodes[-1].end == chunk_size

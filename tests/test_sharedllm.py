@@ -1,6 +1,7 @@
 # SharedLLM: equivalences and invariants that the released code's bugs would have failed.
 import copy
 import math
+import random
 
 import pytest
 import torch
@@ -201,7 +202,7 @@ def test_language_modeling_has_no_query():
     assert steered.nodes != right.nodes            # (the query does steer this model's trees)
 
 
-def test_query_policy_pairs_each_chunk_with_its_own_children():
+def test_query_policy_pairs_each_chunk_with_its_own_children(monkeypatch):
     # Make retrieval vectors one-hot of the span's last token: the query (last token Q) is similar only to a
     # child ending in Q. Chunks 0 and 2 end their LEFT half in Q, chunk 1 its RIGHT half; answers are known.
     s, _ = build(policy="query", height=2)
@@ -211,7 +212,8 @@ def test_query_policy_pairs_each_chunk_with_its_own_children():
     idx[:, -1] = Q
     for b in range(2):
         ctx[b, 0, 31], ctx[b, 1, 63], ctx[b, 2, 31] = Q, Q, Q
-    s.upper.retrieval_vec = lambda tokens, ends, starts=None, kv=None: torch.nn.functional.one_hot(tokens.gather(1, ends), V).float()
+    monkeypatch.setattr(M, "retrieval_vector", lambda llama, tokens, ends, starts=None, kv=None:
+                        torch.nn.functional.one_hot(tokens.gather(1, ends), V).float())
     mem = s.compress(ctx, idx, torch.full((2,), idx.shape[1]))
     for r, nds in enumerate(mem.nodes):
         preserved = [(nd.start, nd.end) for nd in nds if nd.level == 1][0]
@@ -294,15 +296,15 @@ def test_retrieval_vec_is_the_first_layer_at_the_last_position():
     torch.manual_seed(0)
     m = M.Llama(M.preset("tiny", n_layers=2)).eval()                # GQA: 4 query heads over 2 KV heads
     idx, last = torch.randint(0, 258, (6, 50)), torch.tensor([49, 0, 10, 33, 7, 25])
-    first_layer = lambda x: m.norm(m.layers[0](m.tok_embeddings(x), *m.rope(torch.arange(x.shape[1]))))
+    first_layer = lambda x: m.norm(m.layers[0](m.tok_embeddings(x), m.rope(torch.arange(x.shape[1]))))
     with torch.no_grad():
         full = first_layer(idx)[torch.arange(6), last]
-        assert (m.retrieval_vec(idx, last[:, None])[:, 0] - full).abs().max() < 2e-6
+        assert (M.retrieval_vector(m, idx, last[:, None])[:, 0] - full).abs().max() < 2e-6
         pad = idx.clone()
         pad[2, 11:] = 0                                                        # what follows `last` is never read
-        assert (m.retrieval_vec(pad, last[:, None])[2] - m.retrieval_vec(idx, last[:, None])[2]).abs().max() < 2e-6
+        assert (M.retrieval_vector(m, pad, last[:, None])[2] - M.retrieval_vector(m, idx, last[:, None])[2]).abs().max() < 2e-6
         starts, ends = torch.tensor([[0, 20], [5, 6], [30, 31]]), torch.tensor([[19, 49], [5, 40], [30, 45]])
-        h = m.retrieval_vec(idx[:3], ends, starts)                            # two spans per row: (3, 2, dim)
+        h = M.retrieval_vector(m, idx[:3], ends, starts)                            # two spans per row: (3, 2, dim)
         for r in range(3):
             for j in range(2):
                 alone = first_layer(idx[r:r + 1, starts[r, j]:ends[r, j] + 1])[0, -1]
@@ -326,7 +328,7 @@ def test_compressed_kv_and_gradients_equal_encoding_each_node_alone(policy):
             for nd in mem.nodes[b * 3 + c]:
                 keep = torch.tensor([tree.keep_index(len(nd), nd.kept, "last")])
                 sl = slice(c * S + off, c * S + off + nd.kept)
-                for j, (K, V) in enumerate(ref.node_kv(ctx[b, c, nd.start:nd.end][None], 2, keep)):
+                for j, (K, V) in enumerate(M.lower_kv(ref, ctx[b, c, nd.start:nd.end][None], 2, keep)):
                     K = M.apply_rope(K, *M.rope_cos_sin(torch.full((nd.kept,), c), 8, 10000.0))   # chunk id c
                     assert rel_err(K[0], mem.kv[j][0][b][:, sl].detach()) < 1e-5
                     assert rel_err(V[0], mem.kv[j][1][b][:, sl].detach()) < 1e-5
@@ -351,3 +353,31 @@ def test_encoding_in_small_calls_changes_nothing(policy, monkeypatch):
     assert [[(nd.start, nd.end) for nd in nds] for nds in one.nodes] == [[(nd.start, nd.end) for nd in nds] for nds in many.nodes]
     for (K1, V1), (K2, V2) in zip(one.kv, many.kv):
         assert rel_err(K1, K2) < 1e-6 and rel_err(V1, V2) < 1e-6
+
+
+@pytest.mark.parametrize("policy,kw", [("query", dict(noise=5.0)), ("right", dict(noise=5.0)),
+                                       ("query", dict(n_lower=1, beta=1, keep="first"))])
+def test_reference_encoding_equals_the_batched_one(policy, kw, monkeypatch):
+    # model.ENCODE_PATH = "reference" encodes each preserved node on its own through the lower model's blocks and reads
+    # its K/V from their KV caches: the batched path (spans padded together, first-layer K/V reused from the query
+    # search, only the kept tokens projected in the last block) must give the same Memory and the same gradients.
+    # Training mode: noisy splits (the same draws for both) and the query policy, with one row that has no query.
+    ctx, idx = data(B=2, n=3)
+    runs = {}
+    for path in ("batched", "reference"):
+        monkeypatch.setattr(M, "ENCODE_PATH", path)
+        s, _ = build(policy=policy, wo_scale=0.5, **kw)
+        s.train()
+        random.seed(7)                                                  # the split noise's draws
+        mem = s.compress(ctx, idx, torch.tensor([5, 0]))
+        logits, loss = s.upper(idx, idx, memory=mem)
+        loss.backward()
+        runs[path] = mem, logits, {n: p.grad for n, p in s.named_parameters()}
+    (m1, l1, g1), (m2, l2, g2) = runs["batched"], runs["reference"]
+    assert [[(nd.start, nd.end) for nd in nds] for nds in m1.nodes] == [[(nd.start, nd.end) for nd in nds] for nds in m2.nodes]
+    assert (m1.nodes[0][0].end != 32) == ("noise" in kw)                # noisy splits (exact halves: 32)
+    for (K1, V1), (K2, V2) in zip(m1.kv, m2.kv):
+        assert rel_err(K1, K2) < 1e-5 and rel_err(V1, V2) < 1e-5
+    assert rel_err(l1, l2) < 1e-5
+    for n in g1:
+        assert g1[n] is not None and g1[n].abs().sum() > 0 and rel_err(g1[n], g2[n]) < 1e-5, (n, rel_err(g1[n], g2[n]))
