@@ -7,6 +7,8 @@ download, on passkey retrieval mixed with language modeling on the Python standa
   python train.py --n_chunks=1 --max_iters=200       # any setting: --name=value
   python train.py config/llama2_7b_lm.py --init_from=/path/to/Llama-2-7b-hf   # a recipe file, then flags on top
   torchrun --nproc_per_node=2 train.py               # several GPUs (or CPU processes over gloo)
+
+Read top to bottom: the settings, main() (setup, model, data, the training loop), then the pieces it calls.
 """
 import json
 import math
@@ -31,68 +33,69 @@ from tokenizer import ByteTokenizer, GPT2Tokenizer
 out_dir = "out"
 init_from = "scratch"       # "scratch" | "resume" (from out_dir) | a LLaMA folder in HF layout | a .gguf file
 eval_interval = 500         # evaluate and checkpoint every this many iterations
-eval_iters = 8              # batches per eval setting
-final_eval_iters = 32       # ... and at the end: 512 samples, so a passkey rate near 95% is known to about +-1%
-                            # (128 samples: +-2%); the first eval_iters batches are those of every eval. 0 = eval_iters
 log_interval = 100
 eval_only = False
 # data
 task = "mixed"              # "lm" | "passkey" | "mixed" (passkey + language modeling, like the paper's SFT mix)
-passkey_frac = 0.67         # share of passkey batches in "mixed" (each batch is one kind: the passkey's 5 scored
-                            # tokens are not drowned by a language-modeling sample's T scored tokens)
-lm_from = 2500              # in "mixed", language-modeling batches join at this iteration (passkey alone first:
-                            # mixed in from the start, text keeps the passkey on its plateau)
-context_dropout = 0.25      # share of language-modeling batches trained without X_C, so the upper model also works
-                            # alone (a fair "without context" baseline; a pretrained LLaMA has that for free)
 data_dir = ""               # a folder of .txt files (or a glob like dir/*_gut.txt); "" = the standard library's .py
 tokenizer = "byte"          # "byte" | "gpt2" | a tokenizer.model / tokenizer.json path (a LLaMA folder brings its own)
 n_chunks = 4                # n: context chunks per training sample (X_C = n x C tokens)
-chunk_schedule = "1:1000,2:2000"   # curriculum: 1 chunk until iter 1000, 2 until 2000, then n_chunks ("" = off)
-beta_schedule = "1:300,2:1000"   # curriculum on compression: none (beta 1) until iter 300, beta 2 until 1000, then beta
 block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)
-eval_chunks = "4,16"        # chunk counts evaluated every eval_interval
-final_eval_chunks = "4,16,64,256"   # ... and at the end (32K-token contexts: 64x the training length); "" = eval_chunks
-# model: preset for scratch, SharedLLM settings always
+# model: preset for scratch, SharedLLM settings always (the paper's; model.SharedConfig says more)
 preset = "tiny"             # model.PRESETS key, for init_from=scratch
 n_lower = 2                 # M: lower-model layers = cross-attention layers
 chunk_size = 128            # C
 height = 3                  # tree height h
 beta = 8                    # compression: C / KVs kept per chunk
 policy = "query"            # "right" | "query" (query: the passkey question steers each tree toward the key)
-keep = "last"               # "last" | "first" token of each stride window
-noise = 0.0                 # training split noise: sigma = l / noise; 0 = off (paper: 5 for LM, 10 for SFT)
+noise = 0.0                 # training split noise gamma: sigma = l / gamma, so larger = less noise; 0 = off (paper: 5, 10)
 chunk_ids = "clamp"         # chunk-level position ids: "plain" (paper) | "clamp" (plain up to max_chunk_dist, farther
                             # chunks at that distance: extrapolates) | "random" (random ids in training) | "off"
-max_chunk_dist = 0          # "clamp": the largest query-key chunk distance; 0 = n_chunks (the farthest training sees)
-max_chunk_id = 1024         # "random": ids drawn up to this in training = the longest context in distribution (chunks)
-logn_scale = False          # inference beyond n_chunks: scale cross-attention queries by log(keys) / log(keys in training)
-                            # (keeps passkey retrieval sharp over many more keys, costs language modeling there: README)
-inject = "bottom"           # "bottom" | "top" | "interleaved"
 train = "all"               # what trains: "all" | "cross" (cross-attention only: released code, LM) |
                             # "cross+top" (plus the top N-M layers: the paper's LM text) | "upper" (the whole upper model: SFT)
-activation_checkpointing = False
-light_ckpt = True           # from a pretrained folder: checkpoints hold only what trains, plus the base's path and
-                            # sha256 (a 7B run saves megabytes, not 13.5 GB); from scratch they always hold everything
 # optimizer
 batch_size = 16
-gradient_accumulation_steps = 1
 max_iters = 6500
-stop_iter = 0               # stop (checkpointed) at this iteration without changing the schedule; 0 = run to max_iters
 learning_rate = 3e-3
-min_lr = 3e-4
-lr_decay_iters = 0          # the cosine reaches min_lr here and stays; 0 = max_iters
-ema_decay = 0.998           # evaluate and save an exponential moving average of the trained weights (half-life ~350
-                            # iterations at 0.998); 0 = off. The raw weights ride along for resume.
+min_lr = 3e-4               # the cosine schedule's floor
 warmup_iters = 50
-weight_decay = 0.0
-beta1, beta2 = 0.9, 0.99
-grad_clip = 1.0
 # system
 device = "auto"             # "auto" = cuda, else cpu ("mps" only when named)
 dtype = "auto"              # "auto" = bfloat16 autocast on CUDA where supported, else float32 (never float16 by default);
                             # what trains is always held in float32 (master weights and AdamW state)
 compile = False
 seed = 1337
+# --- the recipe's knobs: a first reading can skip them (config/tiny.py writes the default run out) ---
+eval_iters = 8              # batches per eval setting
+final_eval_iters = 32       # ... and at the end: 512 samples, so a passkey rate near 95% is known to about +-1%
+                            # (128 samples: +-2%); the first eval_iters batches are those of every eval. 0 = eval_iters
+eval_chunks = "4,16"        # chunk counts evaluated every eval_interval
+final_eval_chunks = "4,16,64,256"   # ... and at the end (32K-token contexts: 64x the training length); "" = eval_chunks
+passkey_frac = 0.67         # share of passkey batches in "mixed" (each batch is one kind: the passkey's 5 scored
+                            # tokens are not drowned by a language-modeling sample's T scored tokens)
+lm_from = 2500              # in "mixed", language-modeling batches join at this iteration (passkey alone first:
+                            # mixed in from the start, text keeps the passkey on its plateau)
+context_dropout = 0.25      # share of language-modeling batches trained without X_C, so the upper model also works
+                            # alone (a fair "without context" baseline; a pretrained LLaMA has that for free)
+chunk_schedule = "1:1000,2:2000"   # curriculum: 1 chunk until iter 1000, 2 until 2000, then n_chunks ("" = off)
+beta_schedule = "1:300,2:1000"   # curriculum on compression: none (beta 1) until iter 300, beta 2 until 1000, then beta
+keep = "last"               # "last" | "first" token of each stride window
+max_chunk_dist = 0          # "clamp": the largest query-key chunk distance; 0 = n_chunks (the farthest training sees)
+max_chunk_id = 1024         # "random": ids drawn up to this in training = the longest context in distribution (chunks)
+logn_scale = False          # inference beyond n_chunks: scale cross-attention queries by log(keys) / log(keys in training)
+                            # (keeps passkey retrieval sharp over many more keys, costs language modeling there: README)
+inject = "bottom"           # "bottom" | "top" | "interleaved"
+activation_checkpointing = False
+light_ckpt = True           # from a pretrained folder: checkpoints hold only what trains, plus the base's path and
+                            # sha256 (a 7B run saves megabytes, not 13.5 GB); from scratch they always hold everything
+gradient_accumulation_steps = 1
+stop_iter = 0               # stop (checkpointed) at this iteration without changing the schedule; 0 = run to max_iters
+lr_decay_iters = 0          # the cosine reaches min_lr here and stays; 0 = max_iters
+ema_decay = 0.998           # evaluate and save an exponential moving average of the trained weights (half-life ~350
+                            # iterations at 0.998); 0 = off. The raw weights ride along for resume.
+weight_decay = 0.0
+beta1, beta2 = 0.9, 0.99
+grad_clip = 1.0
 # -----------------------------------------------------------------------------
 
 
@@ -101,11 +104,93 @@ if __name__ == "__main__":
     parse_overrides(sys.argv[1:], config, __file__)   # config files (config/*.py), then --name=value flags
     globals().update(config)
 
-# -----------------------------------------------------------------------------
-# distributed, device, dtype
-
 
 def main():
+    # setup: processes, device, settings, random streams
+    ddp, rank, world, dev, dt = setup_processes()
+    master, dev_type = rank == 0, "cuda" if dev.startswith("cuda") else dev
+    check_settings(dev, dev_type, dt)
+    autocast = nullcontext() if dt == "float32" else torch.autocast(dev_type, dtype=getattr(torch, dt))
+    rng = seed_streams(rank)   # the data stream; the tree's split noise and torch have their own
+    if master:
+        print(f"device {dev}, dtype {dt}{' (autocast)' if dt != 'float32' else ''}, {world} process(es)")
+        os.makedirs(out_dir, exist_ok=True)
+
+    # the model: both SharedLLM models from one LLaMA (new, a pretrained checkpoint, or this run's own to resume)
+    tok, raw, ckpt, base, model_args = build_model(dt)
+    params = prepare_to_train(raw, dt, dev, master, base)
+    model = wrap(raw, ddp, dev_type)   # what the training step calls: compiled (CUDA) and under DDP where asked
+
+    # data and schedules, every length checked against the data now, not at iteration 2,500
+    chunk_pairs, beta_pairs = parse_schedule("chunk_schedule", chunk_schedule), parse_schedule("beta_schedule", beta_schedule)
+    eval_counts = {"eval_chunks": parse_counts("eval_chunks", eval_chunks),
+                   "final_eval_chunks": parse_counts("final_eval_chunks", final_eval_chunks or eval_chunks)}
+    splits = load_data(tok, ddp, master)
+    lm_eval_counts = check_lengths(tok, splits, sorted({n for n, _ in chunk_pairs} | {n_chunks}),
+                                   sorted(set(sum(eval_counts.values(), []))), master)
+
+    # the optimizer, its state and the random streams when resuming, the moving average of the weights
+    optimizer, scaler = make_optimizer(params, dt)
+    iter_num = 0 if ckpt is None else resume_state(ckpt, optimizer, scaler, rng, rank, dev_type, master)
+    ema, names = moving_average(raw, params, ckpt)
+    log_path = start_log(ckpt, iter_num, master)
+    # a non-finite loss stops the run, read back only at log lines and checkpoints (one host sync per micro-step
+    # costs nothing on a CPU and stalls a GPU); the weights it corrupted are never saved
+    nonfinite, checked_at = torch.zeros((), dtype=torch.bool, device=dev), iter_num
+    loss_sum, loss_n = {}, {}   # per batch kind, summed on the device between log lines
+
+    # the loop
+    peak = peak_flops(dev_type, getattr(torch, dt)) if master else 1.0
+    raw.train()
+    t0, t_start, start_iter = time.time(), time.time(), iter_num   # a resumed run does not re-evaluate its checkpoint
+    while True:
+        last = iter_num >= max_iters or 0 < stop_iter <= iter_num
+        due = (iter_num % eval_interval == 0 or last) and (iter_num > start_iter or eval_only)   # the same on every rank
+        if due and not eval_only:
+            rngs = rng_states(rng, ddp, world, dev_type)   # every rank's (a collective), before rank 0 saves
+        if due and master:
+            check_finite(nonfinite, checked_at, iter_num)
+            if not eval_only:   # first: an evaluation that fails never costs the trained weights
+                save(raw, optimizer, scaler, ema, names, base, model_args, tok, rngs, iter_num)
+            which, iters = ("final_eval_chunks", final_eval_iters or eval_iters) if last else ("eval_chunks", eval_iters)
+            with averaged(params, ema), said_if_it_fails(iter_num):
+                res = evaluate(raw, tok, splits, eval_counts[which], lm_eval_counts, iters, iter_num, dev, autocast)
+            print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
+            log(log_path, iter=iter_num, eval=res)
+            t0 = time.time()   # eval time is not training time
+        if last or eval_only:
+            break
+        lr = set_lr(optimizer, iter_num)
+        n = scheduled(chunk_pairs, iter_num, n_chunks)
+        raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # an inference-time setting: no new weights
+        for micro in range(gradient_accumulation_steps):
+            kind, (ctx, idx, tgt, ql) = next_batch(rng, iter_num, tok, splits, n, dev)
+            sync = nullcontext() if not ddp or micro == gradient_accumulation_steps - 1 else model.no_sync()
+            with sync, autocast:
+                _, loss = model(ctx, idx, tgt, ql)
+            nonfinite |= ~torch.isfinite(loss.detach())   # on the device: read at the next log line or checkpoint
+            loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
+            loss_n[kind] = loss_n.get(kind, 0) + 1
+            scaler.scale(loss / gradient_accumulation_steps).backward()
+        optimizer_step(optimizer, scaler, params, ema)
+        iter_num += 1
+        if iter_num % log_interval == 0 and master:
+            checked_at = check_finite(nonfinite, checked_at, iter_num)
+            dt_, t0 = (time.time() - t0) / log_interval, time.time()
+            losses = {k: (loss_sum[k] / loss_n[k]).item() for k in loss_sum}   # mean per batch kind since the last line
+            loss_sum, loss_n = {}, {}
+            peak, t0 = log_step(log_path, raw, iter_num, losses, lr, dt_, n, idx.shape[1], world, peak, t0, t_start,
+                                dev_type, dt)
+    if ddp:
+        torch.distributed.barrier()   # the others wait for rank 0's last eval and checkpoint: no rank tears down early
+        torch.distributed.destroy_process_group()
+
+# -----------------------------------------------------------------------------
+# setup
+
+
+def setup_processes():
+    # -> ddp, rank, world size, device, dtype name. Under torchrun each process is a rank (a GPU, or a CPU process).
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     dev, dt = auto_device(device, dtype)
@@ -114,8 +199,11 @@ def main():
         if dev.startswith("cuda"):
             dev = f"cuda:{int(os.environ['LOCAL_RANK'])}"
             torch.cuda.set_device(dev)
-    master = rank == 0
-    dev_type = "cuda" if dev.startswith("cuda") else dev
+    return ddp, rank, world, dev, dt
+
+
+def check_settings(dev, dev_type, dt):
+    # every setting that can be checked before anything is built
     inf = float("inf")
     check_ranges(globals(), dict(passkey_frac=(0, 1), context_dropout=(0, 1), lr_decay_iters=(0, inf), eval_iters=(1, inf),
                                  final_eval_iters=(0, inf), batch_size=(1, inf), gradient_accumulation_steps=(1, inf),
@@ -128,69 +216,43 @@ def main():
     if dt == "float16" and dev_type != "cuda":
         raise SystemExit(f"--dtype=float16 on {dev}: float16 autocast is for CUDA GPUs without bfloat16 (it trains with a "
                          "gradient scaler there); use --dtype=float32 or --dtype=bfloat16")
-    ptdtype = getattr(torch, dt)
     if not 0 <= ema_decay < 1:
         raise SystemExit(f"--ema_decay={ema_decay}: expected 0 (off) or a decay in (0, 1), like 0.998")
-    autocast = nullcontext() if dt == "float32" else torch.autocast(dev_type, dtype=ptdtype)
+    if train == "cross" and context_dropout > 0 and task != "passkey":
+        raise SystemExit(f"--context_dropout={context_dropout} with --train=cross: a batch without X_C reaches no trainable "
+                         "parameter (only cross-attention trains, and the frozen upper model already works alone); "
+                         "use --context_dropout=0")
+
+
+def seed_streams(rank):
     torch.manual_seed(seed + rank)
     rng = random.Random(seed + rank)   # the data stream
     random.seed(seed + rank)           # tree split noise
-    if master:
-        print(f"device {dev}, dtype {dt}{' (autocast)' if dt != 'float32' else ''}, {world} process(es)")
-        os.makedirs(out_dir, exist_ok=True)
+    return rng
 
-    # -------------------------------------------------------------------------
-    # model and tokenizer
-    scfg = shared_config()
-    ckpt, base = None, None
+
+def shared_config():
+    # this run's model.SharedConfig settings, from the config block
+    return dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy, keep=keep, noise=noise,
+                chunk_ids=chunk_ids, max_chunk_dist=max_chunk_dist or n_chunks, max_chunk_id=max_chunk_id,
+                logn_scale=logn_scale, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
+
+# -----------------------------------------------------------------------------
+# the model
+
+
+def build_model(dt):
+    # -> tokenizer, SharedLLM, the checkpoint resumed from (or None), the light checkpoint's base, the model's arguments
+    scfg, ckpt, base = shared_config(), None, None
     if init_from == "scratch":
-        try:
-            tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: load_tokenizer(tokenizer))()
-        except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
-            raise SystemExit(f"--tokenizer={tokenizer}: {e} (expected byte, gpt2 or a tokenizer file)") from None
-        if preset not in M.PRESETS:
-            raise SystemExit(f"--preset={preset}: expected one of {sorted(M.PRESETS)}")
-        llama = M.Llama(M.preset(preset, vocab_size=max(M.PRESETS[preset]["vocab_size"], tok.vocab_size)))
+        tok, llama = new_llama()
         model_args = dict(llama=asdict(llama.cfg), shared=scfg)
     elif init_from == "resume":
-        path = os.path.join(out_dir, "ckpt.pt")
-        if not os.path.isfile(path):
-            raise SystemExit(f"init_from=resume: no checkpoint at {path}")
-        try:
-            ckpt = read_checkpoint(path)
-            raw = sharedllm_from_checkpoint(ckpt, path, ptdtype)   # saved tensors as saved; a light one's base in ptdtype
-        except (ValueError, FileNotFoundError, ImportError) as e:
-            raise SystemExit(f"init_from=resume: {e}") from None
-        except (KeyError, TypeError) as e:
-            raise SystemExit(f"init_from=resume: {path} is not a train.py checkpoint (no {e})") from None
-        try:   # the model is the checkpoint's: a setting given otherwise would be silently ignored
-            was = {**asdict(raw.scfg), **{k: ckpt["config"].get(k, config[k]) for k in ("preset", "tokenizer")}}
-            now = {**asdict(M.SharedConfig(**scfg)), "preset": preset, "tokenizer": tokenizer}
-        except ValueError as e:
-            raise SystemExit(f"train.py: {e}") from None
-        differ = [k for k in now if was[k] != now[k]]
-        if differ:
-            raise SystemExit(f"init_from=resume: {path} was trained with " + ", ".join(
-                f"{k}={was[k]!r}" for k in differ) + " but this run sets " + ", ".join(
-                f"{k}={now[k]!r}" for k in differ) + "; resume with its settings (or its config file). To read a "
-                "checkpoint with other inference settings, use eval.py (--chunk_ids, --logn_scale, --beta, ...)")
+        ckpt, raw = resume_model(dt)
         tok = tokenizer_from_spec(ckpt["tokenizer"])
         model_args, llama, base = ckpt["model_args"], raw.upper, ckpt.get("base")
     else:   # a LLaMA folder or .gguf file: both models come from this one checkpoint
-        where = package_path(init_from)
-        if not os.path.exists(where):
-            raise SystemExit(f"--init_from={init_from}: no such file or folder (expected scratch, resume, a LLaMA folder "
-                             "or a .gguf file)")
-        if where.endswith(".pt") or os.path.isfile(os.path.join(where, "ckpt.pt")):
-            raise SystemExit(f"--init_from={init_from}: a train.py checkpoint; to continue it, use --init_from=resume "
-                             f"--out_dir={os.path.dirname(where) if where.endswith('.pt') else where}")
-        try:
-            tok = load_tokenizer(package_path(init_from))
-            llama = load_llama(package_path(init_from), "cpu", ptdtype)   # bf16 on CUDA: what stays frozen stays bf16
-            base = dict(path=os.path.abspath(package_path(init_from)), sha256=base_digest(package_path(init_from))) \
-                if light_ckpt else None
-        except (ValueError, FileNotFoundError, ImportError) as e:
-            raise SystemExit(f"init_from={init_from}: {e}") from None
+        tok, llama, base = pretrained_llama(dt)
         model_args = dict(llama=asdict(llama.cfg), shared=scfg)
     if tok.vocab_size > llama.cfg.vocab_size:
         raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {llama.cfg.vocab_size}")
@@ -200,31 +262,116 @@ def main():
             raw = M.SharedLLM(llama, M.SharedConfig(**scfg))
         except ValueError as e:   # an impossible SharedLLM setting (policy, chunk_ids, M, C / height / beta, ...)
             raise SystemExit(f"train.py: {e}") from None
+    return tok, raw, ckpt, base, model_args
+
+
+def new_llama():
+    # init_from=scratch: a tokenizer and a randomly initialised LLaMA of the preset's shape
+    try:
+        tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: load_tokenizer(tokenizer))()
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+        raise SystemExit(f"--tokenizer={tokenizer}: {e} (expected byte, gpt2 or a tokenizer file)") from None
+    if preset not in M.PRESETS:
+        raise SystemExit(f"--preset={preset}: expected one of {sorted(M.PRESETS)}")
+    return tok, M.Llama(M.preset(preset, vocab_size=max(M.PRESETS[preset]["vocab_size"], tok.vocab_size)))
+
+
+def resume_model(dt):
+    # init_from=resume: out_dir/ckpt.pt and its SharedLLM; a setting given otherwise would be silently ignored: refused
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.isfile(path):
+        raise SystemExit(f"init_from=resume: no checkpoint at {path}")
+    try:
+        ckpt = read_checkpoint(path)
+        raw = sharedllm_from_checkpoint(ckpt, path, getattr(torch, dt))   # as saved; a light one's base in dt
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise SystemExit(f"init_from=resume: {e}") from None
+    except (KeyError, TypeError) as e:
+        raise SystemExit(f"init_from=resume: {path} is not a train.py checkpoint (no {e})") from None
+    try:
+        was = {**asdict(raw.scfg), **{k: ckpt["config"].get(k, config[k]) for k in ("preset", "tokenizer")}}
+        now = {**asdict(M.SharedConfig(**shared_config())), "preset": preset, "tokenizer": tokenizer}
+    except ValueError as e:
+        raise SystemExit(f"train.py: {e}") from None
+    differ = [k for k in now if was[k] != now[k]]
+    if differ:
+        raise SystemExit(f"init_from=resume: {path} was trained with " + ", ".join(
+            f"{k}={was[k]!r}" for k in differ) + " but this run sets " + ", ".join(
+            f"{k}={now[k]!r}" for k in differ) + "; resume with its settings (or its config file). To read a "
+            "checkpoint with other inference settings, use eval.py (--chunk_ids, --logn_scale, --beta, ...)")
+    return ckpt, raw
+
+
+def pretrained_llama(dt):
+    # init_from=a LLaMA folder or .gguf file: its tokenizer and model; with light_ckpt, the base that checkpoints name
+    where = package_path(init_from)
+    if not os.path.exists(where):
+        raise SystemExit(f"--init_from={init_from}: no such file or folder (expected scratch, resume, a LLaMA folder "
+                         "or a .gguf file)")
+    if where.endswith(".pt") or os.path.isfile(os.path.join(where, "ckpt.pt")):
+        raise SystemExit(f"--init_from={init_from}: a train.py checkpoint; to continue it, use --init_from=resume "
+                         f"--out_dir={os.path.dirname(where) if where.endswith('.pt') else where}")
+    try:
+        tok = load_tokenizer(where)
+        llama = load_llama(where, "cpu", getattr(torch, dt))   # bf16 on CUDA: what stays frozen stays bf16
+        base = dict(path=os.path.abspath(where), sha256=base_digest(where)) if light_ckpt else None
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise SystemExit(f"init_from={init_from}: {e}") from None
+    return tok, llama, base
+
+
+def prepare_to_train(raw, dt, dev, master, base):
+    # what trains (--train), held in fp32, printed; the model moved to the device -> the trained parameters
     set_trainable(raw, train)
     master_weights(raw)
-    drops_context = context_dropout > 0 and task != "passkey"   # some language-modeling batches come without X_C
-    if train == "cross" and drops_context:
-        raise SystemExit(f"--context_dropout={context_dropout} with --train=cross: a batch without X_C reaches no trainable "
-                         "parameter (only cross-attention trains, and the frozen upper model already works alone); "
-                         "use --context_dropout=0")
     n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)
     n_frozen = sum(p.numel() for p in raw.parameters() if not p.requires_grad)
     if master:
-        print(f"model: {llama.cfg}\nshared: {raw.scfg}\ntrainable {n_train:,} / frozen {n_frozen:,} parameters (train={train!r})")
+        print(f"model: {raw.upper.cfg}\nshared: {raw.scfg}\ntrainable {n_train:,} / frozen {n_frozen:,} parameters "
+              f"(train={train!r})")
         if init_from not in ("scratch", "resume") or base:   # a pretrained model (a light checkpoint has a base)
             memory_estimate(raw, dt, dev)   # before anything is allocated on the device
     raw.to(dev)
-    model = torch.compile(raw) if compile and dev_type != "cpu" else raw
-    if ddp:
-        # a batch without X_C (context_dropout) leaves cross-attention unused on that rank: DDP must allow it
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[int(os.environ["LOCAL_RANK"])] if dev_type == "cuda" else None,
-                                                          find_unused_parameters=drops_context)
+    return [p for p in raw.parameters() if p.requires_grad]
 
-    # -------------------------------------------------------------------------
-    # data, optimizer, schedule
-    chunk_pairs, beta_pairs = parse_schedule("chunk_schedule", chunk_schedule), parse_schedule("beta_schedule", beta_schedule)
-    eval_counts = {"eval_chunks": parse_counts("eval_chunks", eval_chunks),
-                   "final_eval_chunks": parse_counts("final_eval_chunks", final_eval_chunks or eval_chunks)}
+
+def wrap(raw, ddp, dev_type):
+    model = torch.compile(raw) if compile and dev_type != "cpu" else raw
+    if ddp:   # a batch without X_C (context_dropout) leaves cross-attention unused on that rank: DDP must allow it
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[int(os.environ["LOCAL_RANK"])] if
+                                                          dev_type == "cuda" else None,
+                                                          find_unused_parameters=context_dropout > 0 and task != "passkey")
+    return model
+
+
+def set_trainable(m, which):
+    Mn = m.scfg.n_lower
+    rules = {
+        "all": lambda n: True,
+        "cross": lambda n: ".cross_" in n,
+        "cross+top": lambda n: ".cross_" in n or (n.startswith("upper.layers.") and int(n.split(".")[2]) >= Mn)
+                               or n.startswith(("upper.norm", "upper.output")),
+        "upper": lambda n: n.startswith("upper."),
+    }
+    if which not in rules:
+        raise SystemExit(f"--train={which}: expected one of {sorted(rules)}")
+    for n, p in m.named_parameters():
+        p.requires_grad_(rules[which](n))
+
+
+def master_weights(m):
+    # Mixed precision the standard way: what trains is held in fp32 (AdamW's step on a bf16 weight is lost whenever it
+    # is below half a bf16 ulp: bf16(0.02 + 1e-5) == 0.02), frozen weights keep their dtype, autocast runs the math
+    for p in m.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+# -----------------------------------------------------------------------------
+# data
+
+
+def load_data(tok, ddp, master):
+    # the language-modeling corpus, tokenized once into data_cache/ (None for passkeys alone: they are generated)
     if ddp and not master:
         torch.distributed.barrier()   # rank 0 tokenizes the corpus first; the others then read its cache
     try:
@@ -233,252 +380,19 @@ def main():
         raise SystemExit(f"--data_dir={data_dir}: {e}") from None
     if ddp and master:
         torch.distributed.barrier()
-    lm_eval_counts = check_lengths(tok, splits, sorted({n for n, _ in chunk_pairs} | {n_chunks}),
-                                   sorted(set(sum(eval_counts.values(), []))), master)
-    params = [p for p in raw.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(beta1, beta2), weight_decay=weight_decay)
-    iter_num = 0
-    # float16 (CUDA only) has a narrow range: the loss is scaled up so that small gradients do not underflow to zero,
-    # and steps whose gradients overflowed are skipped. Off (a pass-through) for float32 and bfloat16.
-    scaler = torch.amp.GradScaler("cuda", enabled=dt == "float16")
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        iter_num = ckpt["iter_num"]
-        if master and iter_num >= max_iters:
-            print(f"nothing to train: {out_dir}/ckpt.pt is at iteration {iter_num} and --max_iters is {max_iters}")
-        if "scaler" in ckpt:
-            scaler.load_state_dict(ckpt["scaler"])
-        # every rank goes on with its own random streams (data, split noise, torch); older checkpoints hold rank 0's
-        states = ckpt.get("rngs") or [dict(data=ckpt["rng"][0], tree=ckpt["tree_rng"], torch=ckpt["torch_rng"])]
-        if rank < len(states):
-            rng.setstate(states[rank]["data"])
-            random.setstate(states[rank]["tree"])
-            torch.set_rng_state(states[rank]["torch"])
-            if "cuda" in states[rank] and dev_type == "cuda":
-                torch.cuda.set_rng_state(states[rank]["cuda"])
-        else:   # more processes than wrote the checkpoint: this one starts fresh streams of its own
-            print(f"rank {rank}: the checkpoint holds the random streams of {len(states)} process(es); this rank starts "
-                  f"new ones (seed {seed} + rank + iteration)")
-            fresh = seed + rank + 1_000_003 * iter_num
-            rng.seed(fresh)
-            random.seed(fresh)
-            torch.manual_seed(fresh)
-
-    # The moving average of what trains (fp32, like the master weights). At a high learning rate the raw weights
-    # hover around a better point than any one of them; evaluations and checkpoints read the average.
-    ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
-    # every name of each trained tensor (a tied head has two), for the checkpoint's "model" and "raw"
-    names = [[n for n, q in raw.named_parameters(remove_duplicate=False) if q is p] for p in params]
-    if ckpt is not None and "raw" in ckpt:   # the model was built from the average: the raw weights go on training
-        with torch.no_grad():
-            for p, ns in zip(params, names):
-                p.copy_(ckpt["raw"][ns[0]])
-
-    @contextmanager
-    def averaged():   # the trained weights replaced by their moving average, and back exactly
-        if ema is None:
-            yield
-            return
-        held = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, e in zip(params, ema):
-                p.copy_(e)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, h in zip(params, held):
-                    p.copy_(h)
-
-    def get_lr(it):   # linear warmup, then cosine down to min_lr at lr_decay_iters (default max_iters), then flat
-        if it < warmup_iters:
-            return learning_rate * (it + 1) / warmup_iters
-        decay_end = lr_decay_iters or max_iters
-        ratio = min(1.0, (it - warmup_iters) / max(1, decay_end - warmup_iters))
-        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
-
-    def scheduled(pairs, it, final):   # the value of the first pair whose until_iter is still ahead, else final
-        return next((v for v, until in pairs if it < until), final)
-
-    @torch.no_grad()
-    def evaluate(which, iters):   # which: "eval_chunks" or "final_eval_chunks"
-        # fixed validation samples (their own seed), so evals are comparable and never touch the training RNGs.
-        # In "mixed", language modeling is measured once it has started (before lm_from it would measure noise).
-        raw.eval()
-        trained_beta, raw.scfg.beta = raw.scfg.beta, beta   # always evaluate at the target compression
-        out, counts = {}, eval_counts[which]
-        lm_counts, lm_batches = [n for n in counts if n in lm_eval_counts], []   # what the validation documents hold
-        if lm_counts and (task == "lm" or (task == "mixed" and iter_num > lm_from)):
-            # windows drawn once for the largest chunk count; a shorter context is the most recent n chunks of the
-            # same window, so every length scores the very same X_D tokens and the ratios compare context alone
-            lrng = random.Random(1000)
-            lm_batches = [[t.to(dev) for t in data.get_batch("lm", batch_size, lrng, tok, splits, max(lm_counts), chunk_size,
-                                                              block_size, "val")] for _ in range(iters)]
-        for n in counts:
-            erng = random.Random(1000 + n)
-            if task in ("passkey", "mixed"):
-                hits = [0, 0]
-                for _ in range(iters):
-                    batch = [t.to(dev) for t in data.get_batch("passkey", batch_size, erng, tok, splits, n, chunk_size, None)]
-                    for j, ctx in enumerate((batch[0], None)):   # with the context, then the upper model alone
-                        with autocast:
-                            logits, _ = raw(ctx, batch[1], query_len=batch[3])
-                        scored = batch[2] != -100
-                        hits[j] += ((logits.argmax(-1) == batch[2]) | ~scored).all(-1).sum().item()
-                out[f"passkey@{n}"], out[f"passkey_noctx@{n}"] = (h / (iters * batch_size) for h in hits)
-            if lm_batches and n in lm_counts:
-                losses = [0.0, 0.0]
-                for batch in lm_batches:
-                    for j, ctx in enumerate((batch[0][:, -n:], None)):
-                        with autocast:
-                            losses[j] += raw(ctx, batch[1], batch[2])[1].item() / iters
-                out[f"lm_loss@{n}"], out[f"lm_loss_noctx@{n}"] = losses
-                out[f"ppl_ratio@{n}"] = math.exp(losses[0] - losses[1])
-        raw.train()
-        raw.scfg.beta = trained_beta
-        return out
-
-    trained = {n for n, p in raw.named_parameters(remove_duplicate=False) if p.requires_grad}
-
-    def rng_states():
-        # this process's three random streams; under DDP every rank's (a collective: all ranks call it together)
-        mine = dict(data=rng.getstate(), tree=random.getstate(), torch=torch.get_rng_state(),
-                    **(dict(cuda=torch.cuda.get_rng_state()) if dev_type == "cuda" else {}))
-        if not ddp:
-            return [mine]
-        everyone = [None] * world
-        torch.distributed.all_gather_object(everyone, mine)
-        return everyone
-
-    def save(rngs):
-        state, extra = raw.state_dict(), {}
-        if base:   # light: what trains, and the base checkpoint (path and content hash) that holds the rest
-            state = {k: v for k, v in state.items() if k in trained}
-        if ema is not None:   # "model" is the average (what eval.py and sample.py read); "raw" is for resume
-            avg = {n: e for e, ns in zip(ema, names) for n in ns}
-            extra["raw"] = {n: state[n] for n in avg}
-            state = {**state, **avg}
-        if scaler.is_enabled():
-            extra["scaler"] = scaler.state_dict()
-        ck = dict(model=state, optimizer=optimizer.state_dict(), model_args=model_args, iter_num=iter_num,
-                  config=config, tokenizer=tok.spec, rngs=rngs, **(dict(base=base) if base else {}), **extra)
-        path = os.path.join(out_dir, "ckpt.pt")
-        torch.save(ck, path + ".tmp")      # written in full, then renamed: a crash never leaves half a checkpoint
-        os.replace(path + ".tmp", path)
-
-    # a non-finite loss stops the run, read back only at log lines and checkpoints (one host sync per micro-step
-    # costs nothing on a CPU and stalls a GPU); the weights it corrupted are never saved
-    nonfinite, checked_at = torch.zeros((), dtype=torch.bool, device=dev), iter_num
-
-    def check_finite(since):
-        if nonfinite.item():
-            raise SystemExit(f"a loss was not finite between iterations {since} and {iter_num}; lower --learning_rate "
-                             "or use --dtype=float32 (nothing was saved after it)")
-        return iter_num
-
-    # the run's own log, out_dir/log.jsonl: one JSON line per step log and per evaluation (plots.py draws it). A fresh
-    # run starts it anew; a resumed one keeps the lines up to its checkpoint and goes on from there.
-    log_path = os.path.join(out_dir, "log.jsonl")
-    if master:
-        kept = []
-        if ckpt is not None and os.path.isfile(log_path):
-            kept = [line for line in open(log_path) if line.endswith("\n") and json.loads(line)["iter"] <= iter_num]
-        with open(log_path, "w") as f:
-            f.writelines(kept)
-
-    def log(**record):
-        with open(log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    loss_sum, loss_n = {}, {}   # per batch kind, summed on the device between log lines
-
-    # -------------------------------------------------------------------------
-    # the loop
-    peak = peak_flops(dev_type, ptdtype) if master else 1.0
-    raw.train()
-    t0, t_start, start_iter = time.time(), time.time(), iter_num   # a resumed run does not re-evaluate its checkpoint
-    while True:
-        last = iter_num >= max_iters or 0 < stop_iter <= iter_num
-        due = (iter_num % eval_interval == 0 or last) and (iter_num > start_iter or eval_only)   # the same on every rank
-        if due and not eval_only:
-            rngs = rng_states()   # every rank's, before rank 0 saves
-        if due and master:
-            check_finite(checked_at)
-            if not eval_only:
-                save(rngs)   # first: an evaluation that fails never costs the trained weights
-            chunks, iters = ("final_eval_chunks", final_eval_iters or eval_iters) if last else ("eval_chunks", eval_iters)
-            try:
-                with averaged():
-                    res = evaluate(chunks, iters)
-            except Exception:
-                print(f"evaluation at iteration {iter_num} failed; the weights are saved in "
-                      f"{os.path.join(out_dir, 'ckpt.pt')} (evaluate them again: --init_from=resume --eval_only=True)",
-                      flush=True)
-                raise
-            print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
-            log(iter=iter_num, eval=res)
-            t0 = time.time()   # eval time is not training time
-        if last or eval_only:
-            break
-        lr = get_lr(iter_num)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        n = scheduled(chunk_pairs, iter_num, n_chunks)
-        raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # an inference-time setting: no new weights
-        for micro in range(gradient_accumulation_steps):
-            kind = task
-            if task == "mixed":
-                kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"   # one kind per batch
-            ctx, idx, tgt, ql = data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size, block_size)
-            ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)   # query lengths stay on the host: the tree reads them
-            if kind == "lm" and context_dropout > 0 and rng.random() < context_dropout:
-                ctx = None
-            sync = nullcontext() if not ddp or micro == gradient_accumulation_steps - 1 else model.no_sync()
-            with sync, autocast:
-                _, loss = model(ctx, idx, tgt, ql)
-            nonfinite |= ~torch.isfinite(loss.detach())   # on the device: read at the next log line or checkpoint
-            loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
-            loss_n[kind] = loss_n.get(kind, 0) + 1
-            scaler.scale(loss / gradient_accumulation_steps).backward()
-        if grad_clip > 0:
-            scaler.unscale_(optimizer)   # clip the true gradients (a no-op without float16)
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        if ema is not None:
-            with torch.no_grad():
-                for e, p in zip(ema, params):
-                    e.lerp_(p, 1 - ema_decay)
-        iter_num += 1
-        if iter_num % log_interval == 0 and master:
-            checked_at = check_finite(checked_at)
-            dt_ = (time.time() - t0) / log_interval
-            t0 = time.time()
-            toks = gradient_accumulation_steps * batch_size * world * (n * chunk_size + idx.shape[1])
-            flops = step_flops(raw, n, idx.shape[1]) * gradient_accumulation_steps * batch_size
-            losses = {k: (loss_sum[k] / loss_n[k]).item() for k in loss_sum}   # mean per batch kind since the last line
-            loss_sum, loss_n = {}, {}
-            if flops / dt_ > peak:   # faster than the start-up "peak": it was measured while the machine was busy
-                peak = max(peak_flops(dev_type, ptdtype), flops / dt_)
-                t0 = time.time()     # measuring is not training time
-            print(f"iter {iter_num}: loss " + " ".join(f"{v:.4f}" + (f" ({k})" if len(losses) > 1 else "")
-                                                       for k, v in losses.items())
-                  + f", lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, {toks / dt_:,.0f} tok/s, mfu {100 * flops / dt_ / peak:.1f}% "
-                  f"(of {peak / 1e12:.2f} TFLOP/s), "
-                  f"chunks {n}, {(time.time() - t_start) / 60:.1f} min", flush=True)
-            log(iter=iter_num, loss=losses, lr=lr, ms_per_iter=1000 * dt_, tok_per_s=toks / dt_, mfu=flops / dt_ / peak,
-                peak_flops=peak,
-                chunks=n, beta=raw.scfg.beta, minutes=(time.time() - t_start) / 60)
-    if ddp:
-        torch.distributed.barrier()   # the others wait for rank 0's last eval and checkpoint: no rank tears down early
-        torch.distributed.destroy_process_group()
+    return splits
 
 
-def shared_config():
-    # this run's model.SharedConfig settings, from the config block
-    return dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy, keep=keep, noise=noise,
-                chunk_ids=chunk_ids, max_chunk_dist=max_chunk_dist or n_chunks, max_chunk_id=max_chunk_id,
-                logn_scale=logn_scale, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
+def next_batch(rng, iter_num, tok, splits, n, dev):
+    # one training batch of one kind: -> kind, (context (B, n, C) or None, idx (B, T), targets (B, T), query lengths)
+    kind = task
+    if task == "mixed":
+        kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"   # one kind per batch
+    ctx, idx, tgt, ql = data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size, block_size)
+    ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)   # query lengths stay on the host: the tree reads them
+    if kind == "lm" and context_dropout > 0 and rng.random() < context_dropout:
+        ctx = None
+    return kind, (ctx, idx, tgt, ql)
 
 
 def parse_schedule(name, spec):   # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)]
@@ -491,6 +405,10 @@ def parse_schedule(name, spec):   # "v1:until1,v2:until2" -> [(v1, until1), (v2,
     except (ValueError, AssertionError) as e:
         raise SystemExit(f"--{name}={spec}: expected value:until_iter pairs like 2:1000,4:2000 ({e})") from None
     return pairs
+
+
+def scheduled(pairs, it, final):   # the value of the first pair whose until_iter is still ahead, else final
+    return next((v for v, until in pairs if it < until), final)
 
 
 def parse_counts(name, spec):   # "4,16" -> [4, 16]
@@ -538,28 +456,221 @@ def check_lengths(tok, splits, train_counts, eval_counts, master):
               f"{' (passkeys are)' if task == 'mixed' else ''}: {why}")
     return fit
 
-
-def set_trainable(m, which):
-    Mn = m.scfg.n_lower
-    rules = {
-        "all": lambda n: True,
-        "cross": lambda n: ".cross_" in n,
-        "cross+top": lambda n: ".cross_" in n or (n.startswith("upper.layers.") and int(n.split(".")[2]) >= Mn)
-                               or n.startswith(("upper.norm", "upper.output")),
-        "upper": lambda n: n.startswith("upper."),
-    }
-    if which not in rules:
-        raise SystemExit(f"--train={which}: expected one of {sorted(rules)}")
-    for n, p in m.named_parameters():
-        p.requires_grad_(rules[which](n))
+# -----------------------------------------------------------------------------
+# the training loop's pieces
 
 
-def master_weights(m):
-    # Mixed precision the standard way: what trains is held in fp32 (AdamW's step on a bf16 weight is lost whenever it
-    # is below half a bf16 ulp: bf16(0.02 + 1e-5) == 0.02), frozen weights keep their dtype, autocast runs the math
-    for p in m.parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()
+def make_optimizer(params, dt):
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(beta1, beta2), weight_decay=weight_decay)
+    # float16 (CUDA only) has a narrow range: the loss is scaled up so that small gradients do not underflow to zero,
+    # and steps whose gradients overflowed are skipped. Off (a pass-through) for float32 and bfloat16.
+    scaler = torch.amp.GradScaler("cuda", enabled=dt == "float16")
+    return optimizer, scaler
+
+
+def set_lr(optimizer, it):
+    lr = get_lr(it)
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    return lr
+
+
+def get_lr(it):   # linear warmup, then cosine down to min_lr at lr_decay_iters (default max_iters), then flat
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / warmup_iters
+    decay_end = lr_decay_iters or max_iters
+    ratio = min(1.0, (it - warmup_iters) / max(1, decay_end - warmup_iters))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+def optimizer_step(optimizer, scaler, params, ema):
+    # clip, step, clear the gradients, move the moving average toward the new weights
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)   # clip the true gradients (a no-op without float16)
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if ema is not None:
+        with torch.no_grad():
+            for e, p in zip(ema, params):
+                e.lerp_(p, 1 - ema_decay)
+
+
+def moving_average(raw, params, ckpt):
+    # The moving average of what trains (fp32, like the master weights). At a high learning rate the raw weights hover
+    # around a better point than any one of them; evaluations and checkpoints read the average. -> the average (None
+    # when off) and every name of each trained tensor (a tied head has two), for the checkpoint's "model" and "raw"
+    ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
+    names = [[n for n, q in raw.named_parameters(remove_duplicate=False) if q is p] for p in params]
+    if ckpt is not None and "raw" in ckpt:   # the model was built from the average: the raw weights go on training
+        with torch.no_grad():
+            for p, ns in zip(params, names):
+                p.copy_(ckpt["raw"][ns[0]])
+    return ema, names
+
+
+@contextmanager
+def averaged(params, ema):   # the trained weights replaced by their moving average, and back exactly
+    if ema is None:
+        yield
+        return
+    held = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, e in zip(params, ema):
+            p.copy_(e)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, h in zip(params, held):
+                p.copy_(h)
+
+
+@contextmanager
+def said_if_it_fails(iter_num):   # an evaluation that fails says where the weights it was evaluating are
+    try:
+        yield
+    except Exception:
+        print(f"evaluation at iteration {iter_num} failed; the weights are saved in {os.path.join(out_dir, 'ckpt.pt')} "
+              "(evaluate them again: --init_from=resume --eval_only=True)", flush=True)
+        raise
+
+
+@torch.no_grad()
+def evaluate(raw, tok, splits, counts, lm_eval_counts, iters, iter_num, dev, autocast):
+    # Passkey accuracy and language-modeling loss at each chunk count, with the context and with the upper model alone.
+    # Fixed validation samples (their own seeds), so evals are comparable and never touch the training streams. In
+    # "mixed", language modeling is measured once it has started (before lm_from it would measure noise).
+    raw.eval()
+    trained_beta, raw.scfg.beta = raw.scfg.beta, beta   # always evaluate at the target compression
+    out, lm_counts, lm_batches = {}, [n for n in counts if n in lm_eval_counts], []   # what validation documents hold
+    if lm_counts and (task == "lm" or (task == "mixed" and iter_num > lm_from)):
+        # windows drawn once for the largest chunk count; a shorter context is the most recent n chunks of the same
+        # window, so every length scores the very same X_D tokens and the ratios compare context alone
+        lrng = random.Random(1000)
+        lm_batches = [[t.to(dev) for t in data.get_batch("lm", batch_size, lrng, tok, splits, max(lm_counts), chunk_size,
+                                                          block_size, "val")] for _ in range(iters)]
+    for n in counts:
+        erng = random.Random(1000 + n)
+        if task in ("passkey", "mixed"):
+            hits = [0, 0]
+            for _ in range(iters):
+                batch = [t.to(dev) for t in data.get_batch("passkey", batch_size, erng, tok, splits, n, chunk_size, None)]
+                for j, ctx in enumerate((batch[0], None)):   # with the context, then the upper model alone
+                    with autocast:
+                        logits, _ = raw(ctx, batch[1], query_len=batch[3])
+                    scored = batch[2] != -100
+                    hits[j] += ((logits.argmax(-1) == batch[2]) | ~scored).all(-1).sum().item()
+            out[f"passkey@{n}"], out[f"passkey_noctx@{n}"] = (h / (iters * batch_size) for h in hits)
+        if lm_batches and n in lm_counts:
+            losses = [0.0, 0.0]
+            for batch in lm_batches:
+                for j, ctx in enumerate((batch[0][:, -n:], None)):
+                    with autocast:
+                        losses[j] += raw(ctx, batch[1], batch[2])[1].item() / iters
+            out[f"lm_loss@{n}"], out[f"lm_loss_noctx@{n}"] = losses
+            out[f"ppl_ratio@{n}"] = math.exp(losses[0] - losses[1])
+    raw.train()
+    raw.scfg.beta = trained_beta
+    return out
+
+
+def resume_state(ckpt, optimizer, scaler, rng, rank, dev_type, master):
+    # the optimizer's and scaler's state, and this rank's three random streams, from the checkpoint -> its iteration
+    optimizer.load_state_dict(ckpt["optimizer"])
+    iter_num = ckpt["iter_num"]
+    if master and iter_num >= max_iters:
+        print(f"nothing to train: {out_dir}/ckpt.pt is at iteration {iter_num} and --max_iters is {max_iters}")
+    if "scaler" in ckpt:
+        scaler.load_state_dict(ckpt["scaler"])
+    # every rank goes on with its own random streams (data, split noise, torch); older checkpoints hold rank 0's
+    states = ckpt.get("rngs") or [dict(data=ckpt["rng"][0], tree=ckpt["tree_rng"], torch=ckpt["torch_rng"])]
+    if rank < len(states):
+        rng.setstate(states[rank]["data"])
+        random.setstate(states[rank]["tree"])
+        torch.set_rng_state(states[rank]["torch"])
+        if "cuda" in states[rank] and dev_type == "cuda":
+            torch.cuda.set_rng_state(states[rank]["cuda"])
+    else:   # more processes than wrote the checkpoint: this one starts fresh streams of its own
+        print(f"rank {rank}: the checkpoint holds the random streams of {len(states)} process(es); this rank starts "
+              f"new ones (seed {seed} + rank + iteration)")
+        fresh = seed + rank + 1_000_003 * iter_num
+        rng.seed(fresh)
+        random.seed(fresh)
+        torch.manual_seed(fresh)
+    return iter_num
+
+
+def rng_states(rng, ddp, world, dev_type):
+    # this process's three random streams; under DDP every rank's (a collective: all ranks call it together)
+    mine = dict(data=rng.getstate(), tree=random.getstate(), torch=torch.get_rng_state(),
+                **(dict(cuda=torch.cuda.get_rng_state()) if dev_type == "cuda" else {}))
+    if not ddp:
+        return [mine]
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone
+
+
+def save(raw, optimizer, scaler, ema, names, base, model_args, tok, rngs, iter_num):
+    # out_dir/ckpt.pt, written in full and then renamed: a crash never leaves half a checkpoint
+    state, extra = raw.state_dict(), {}
+    if base:   # light: what trains, and the base checkpoint (path and content hash) that holds the rest
+        trained = {n for n, p in raw.named_parameters(remove_duplicate=False) if p.requires_grad}
+        state = {k: v for k, v in state.items() if k in trained}
+    if ema is not None:   # "model" is the average (what eval.py and sample.py read); "raw" is for resume
+        avg = {n: e for e, ns in zip(ema, names) for n in ns}
+        extra["raw"] = {n: state[n] for n in avg}
+        state = {**state, **avg}
+    if scaler.is_enabled():
+        extra["scaler"] = scaler.state_dict()
+    ck = dict(model=state, optimizer=optimizer.state_dict(), model_args=model_args, iter_num=iter_num,
+              config=config, tokenizer=tok.spec, rngs=rngs, **(dict(base=base) if base else {}), **extra)
+    path = os.path.join(out_dir, "ckpt.pt")
+    torch.save(ck, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def check_finite(nonfinite, since, iter_num):
+    if nonfinite.item():
+        raise SystemExit(f"a loss was not finite between iterations {since} and {iter_num}; lower --learning_rate "
+                         "or use --dtype=float32 (nothing was saved after it)")
+    return iter_num
+
+
+def start_log(ckpt, iter_num, master):
+    # the run's own log, out_dir/log.jsonl: one JSON line per step log and per evaluation (plots.py draws it). A fresh
+    # run starts it anew; a resumed one keeps the lines up to its checkpoint and goes on from there.
+    log_path = os.path.join(out_dir, "log.jsonl")
+    if master:
+        kept = []
+        if ckpt is not None and os.path.isfile(log_path):
+            kept = [line for line in open(log_path) if line.endswith("\n") and json.loads(line)["iter"] <= iter_num]
+        with open(log_path, "w") as f:
+            f.writelines(kept)
+    return log_path
+
+
+def log(log_path, **record):
+    with open(log_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def log_step(log_path, raw, iter_num, losses, lr, dt_, n, T, world, peak, t0, t_start, dev_type, dt):
+    # the step's line: losses per batch kind, speed, model FLOPs utilisation; -> the peak and the clock, maybe renewed
+    toks = gradient_accumulation_steps * batch_size * world * (n * chunk_size + T)
+    flops = step_flops(raw, n, T) * gradient_accumulation_steps * batch_size
+    if flops / dt_ > peak:   # faster than the start-up "peak": it was measured while the machine was busy
+        peak = max(peak_flops(dev_type, getattr(torch, dt)), flops / dt_)
+        t0 = time.time()     # measuring is not training time
+    print(f"iter {iter_num}: loss " + " ".join(f"{v:.4f}" + (f" ({k})" if len(losses) > 1 else "")
+                                               for k, v in losses.items())
+          + f", lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, {toks / dt_:,.0f} tok/s, mfu {100 * flops / dt_ / peak:.1f}% "
+          f"(of {peak / 1e12:.2f} TFLOP/s), chunks {n}, {(time.time() - t_start) / 60:.1f} min", flush=True)
+    log(log_path, iter=iter_num, loss=losses, lr=lr, ms_per_iter=1000 * dt_, tok_per_s=toks / dt_, mfu=flops / dt_ / peak,
+        peak_flops=peak, chunks=n, beta=raw.scfg.beta, minutes=(time.time() - t_start) / 60)
+    return peak, t0
 
 
 def step_flops(m, n, T):
