@@ -127,11 +127,8 @@ def build(g, dev, dt, **over):
     return M.SharedLLM(M.Llama(cfg), M.SharedConfig(**shared)).to(device=dev, dtype=dt).eval()
 
 
-def main(g):
-    dev, dt = auto_device(g["device"], g["dtype"])
-    dt = getattr(torch, dt)
-    check_ranges(g, dict(block_size=(1, float("inf")), knob_length=(1, float("inf")), repeats=(1, float("inf"))))
-    out_file(g["out"])
+def parse_lengths(g):
+    # -> the context lengths to sweep; --quick replaces them (and the knob length and repeats) in g
     try:
         lengths = [int(x) for x in g["lengths"].split(",")]
         assert all(L >= 1 for L in lengths)
@@ -142,55 +139,77 @@ def main(g):
               f"--repeats are set by it)")
         g.update(lengths="2048,4096", knob_length=4096, repeats=1)
         lengths = [2048, 4096]
+    return lengths
+
+
+def build_checked(g, dev, dt):
+    # build(), with what the user got wrong (both --init_from and --shape, a missing file) as one line
     try:
         if g["init_from"] and g["shape"]:
             raise ValueError(f"--init_from={g['init_from']} and --shape={g['shape']}: give one (real weights, or a "
                              "shape with random ones)")
-        m = build(g, dev, dt)
+        return build(g, dev, dt)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise SystemExit(f"bench.py: {e}") from None
-    C, T, c = m.scfg.chunk_size, g["block_size"], m.upper.cfg
+
+
+def describe(g, m, lengths, dev, dt):
+    # -> (the device's name, its measured matmul peak in FLOP/s), after checking the lengths against C
+    C, c = m.scfg.chunk_size, m.upper.cfg
     if any(L % C for L in lengths + [g["knob_length"]]):
         raise SystemExit(f"bench.py: --lengths={g['lengths']} / --knob_length={g['knob_length']}: each must be a "
                          f"multiple of chunk_size C = {C}")
     name = torch.cuda.get_device_name() if dev.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
     print(f"device {name}, {dt}; model {g['init_from'] or g['shape'] or g['preset']}: {c.n_layers} layers, dim {c.dim}, "
-          f"heads {c.n_heads}/{c.n_kv_heads}; {m.scfg}; X_D = {T} tokens; median of {g['repeats']}")
+          f"heads {c.n_heads}/{c.n_kv_heads}; {m.scfg}; X_D = {g['block_size']} tokens; median of {g['repeats']}")
     peak = peak_flops("cuda" if dev.startswith("cuda") else "cpu", dt, n=None if dev.startswith("cuda") else 2048,
                       trials=8)
-    gen = torch.Generator().manual_seed(g["seed"])
+    return name, peak
+
+
+def random_inputs(m, gen, L, T, dev):
+    # -> random token ids: the context X_C (1, L // C, C) and the running text X_D (1, T)
+    C, c = m.scfg.chunk_size, m.upper.cfg
+    ctx = torch.randint(0, c.vocab_size, (1, L // C, C), generator=gen).to(dev)
+    return ctx, torch.randint(0, c.vocab_size, (1, T), generator=gen).to(dev)
+
+
+def full_attention(g, m, ctx, idx, L, last_full, dev):
+    # full causal attention over X_C + X_D, unless the previous length predicts it would break a budget
+    # -> (seconds, peak MB, why it was skipped or "", the last measured (length, seconds, MB))
+    T = g["block_size"]
+    f_t = f_mb = None
+    skip = ""
+    if last_full is not None:   # attention is quadratic: predict from the previous length before running
+        (L0, t0, mb0) = last_full
+        if t0 * ((L + T) / (L0 + T)) ** 2 > g["full_budget_s"]:
+            skip = f"skipped: ~{t0 * ((L + T) / (L0 + T)) ** 2:.0f} s > budget {g['full_budget_s']:.0f} s"
+        elif mb0 * (L + T) / (L0 + T) > g["full_budget_mb"]:
+            skip = f"skipped: ~{mb0 * (L + T) / (L0 + T):.0f} MB > budget {g['full_budget_mb']:.0f} MB"
+    if not skip:
+        full = torch.cat([ctx.flatten(1), idx], dim=1)        # (1, L + T): the same tokens, one sequence
+        try:
+            reps = g["repeats"] if last_full is None or last_full[1] * g["repeats"] < g["full_budget_s"] else 1
+            f_t, f_mb = measure(lambda: m.upper(full), dev, reps)
+            last_full = (L, f_t, f_mb)
+        except torch.OutOfMemoryError:
+            skip = "out of memory"
+    return f_t, f_mb, skip, last_full
+
+
+def length_sweep(g, m, lengths, gen, ql, peak, dev, dt):
+    # 1. SharedLLM (compress + upper over X_D) vs full causal attention over X_C + X_D -> one row per length
+    C, T, c = m.scfg.chunk_size, g["block_size"], m.upper.cfg
     wbytes = torch.finfo(dt).bits // 8
-
-    def inputs(L):
-        ctx = torch.randint(0, c.vocab_size, (1, L // C, C), generator=gen).to(dev)
-        return ctx, torch.randint(0, c.vocab_size, (1, T), generator=gen).to(dev)
-    ql = torch.tensor([T], device=dev)   # X_D is the query (a question, as in QA) for the "query" policy
-
-    # 1. length sweep: SharedLLM (compress + upper over X_D) vs full causal attention over X_C + X_D
     print(f"\n{'context':>9} {'SharedLLM s':>12} {'full attn s':>12} {'speedup':>8} {'Shared MB':>10} {'full MB':>9} "
           f"{'KV cache MB':>11} {'compress':>9} {'% peak':>7}")
     sweep, last_full = [], None
     for L in lengths:
-        ctx, idx = inputs(L)
+        ctx, idx = random_inputs(m, gen, L, T, dev)
         s_t, s_mb = measure(lambda: m(ctx, idx, query_len=ql), dev, g["repeats"])
         k_t, _ = measure(lambda: m.compress(ctx, idx, ql), dev, g["repeats"])
         pct = 100 * compress_flops(m, L // C) / k_t / peak
-        f_t = f_mb = None
-        skip = ""
-        if last_full is not None:   # attention is quadratic: predict from the previous length before running
-            (L0, t0, mb0) = last_full
-            if t0 * ((L + T) / (L0 + T)) ** 2 > g["full_budget_s"]:
-                skip = f"skipped: ~{t0 * ((L + T) / (L0 + T)) ** 2:.0f} s > budget {g['full_budget_s']:.0f} s"
-            elif mb0 * (L + T) / (L0 + T) > g["full_budget_mb"]:
-                skip = f"skipped: ~{mb0 * (L + T) / (L0 + T):.0f} MB > budget {g['full_budget_mb']:.0f} MB"
-        if not skip:
-            full = torch.cat([ctx.flatten(1), idx], dim=1)        # (1, L + T): the same tokens, one sequence
-            try:
-                reps = g["repeats"] if last_full is None or last_full[1] * g["repeats"] < g["full_budget_s"] else 1
-                f_t, f_mb = measure(lambda: m.upper(full), dev, reps)
-                last_full = (L, f_t, f_mb)
-            except torch.OutOfMemoryError:
-                skip = "out of memory"
+        f_t, f_mb, skip, last_full = full_attention(g, m, ctx, idx, L, last_full, dev)
         kv_mb = 2 * m.scfg.n_lower * (L // C) * sum(nd.kept for nd in tree.search(1, C, m.scfg.height, m.scfg.beta)[0]) \
             * c.n_kv_heads * c.head_dim * wbytes / 2**20
         sweep.append(dict(context_tokens=L, sharedllm_s=s_t, full_attention_s=f_t, sharedllm_peak_mb=s_mb,
@@ -199,35 +218,43 @@ def main(g):
         fa = f"{f_t:12.3f}" if f_t is not None else f"{'-':>12}"
         print(f"{L:9,d} {s_t:12.4f} {fa} {f'{f_t / s_t:7.1f}x' if f_t else '-':>8} {s_mb:10.1f} "
               f"{f'{f_mb:.1f}' if f_mb is not None else '-':>9} {kv_mb:11.2f} {k_t:9.4f} {pct:6.1f}%  {skip}", flush=True)
+    return sweep
 
-    # 2. the appendix's knobs at one length
-    L = g["knob_length"]
-    ctx, idx = inputs(L)
-    knobs = {}
+
+def knob_rows(g, m, knob, values, ctx, idx, ql, dev, dt):
+    # one knob's table: SharedLLM's time and memory with the knob at each value, the others as m has them
+    base, rows = m.scfg, []
+    for v in values:
+        if knob == "n_lower" and g["init_from"]:
+            print("  n_lower: fixed by the checkpoint's cross-attention layers; use the preset for this table")
+            break
+        try:
+            mk = build(g, dev, dt, n_lower=v) if knob == "n_lower" else m
+            mk.scfg = M.SharedConfig(**{**base.__dict__, knob: v})
+            t, mb = measure(lambda: mk(ctx, idx, query_len=ql), dev, g["repeats"])
+        except ValueError as e:
+            print(f"  {knob} = {v}: not possible ({e})")
+            continue
+        finally:
+            m.scfg = base
+        layers = mk.upper.cfg.n_layers
+        rows.append(dict(value=v, seconds=t, peak_mb=mb, n_layers=layers))
+        print(f"  {knob} = {v!s:6} {t:9.4f} s {mb:9.1f} MB" + (f"   ({layers} layers)" if knob == "n_lower" else ""))
+    return rows
+
+
+def knob_tables(g, m, ctx, idx, ql, dev, dt):
+    # 2. the appendix's knobs at one length -> {knob: rows}
     tables = [("n_lower", (1, 2) if g["quick"] else (1, 2, 4, 8)), ("beta", (1, 8, 64) if g["quick"] else (1, 2, 4, 8, 16, 32, 64)),
               ("height", (1, 3) if g["quick"] else (1, 2, 3, 4)), ("policy", ("right", "query"))]
-    print(f"\nknobs at {L:,} context tokens (others as above):")
-    base = m.scfg
-    for knob, values in tables:
-        rows = []
-        for v in values:
-            if knob == "n_lower" and g["init_from"]:
-                print("  n_lower: fixed by the checkpoint's cross-attention layers; use the preset for this table")
-                break
-            try:
-                mk = build(g, dev, dt, n_lower=v) if knob == "n_lower" else m
-                mk.scfg = M.SharedConfig(**{**base.__dict__, knob: v})
-                t, mb = measure(lambda: mk(ctx, idx, query_len=ql), dev, g["repeats"])
-            except ValueError as e:
-                print(f"  {knob} = {v}: not possible ({e})")
-                continue
-            finally:
-                m.scfg = base
-            layers = mk.upper.cfg.n_layers
-            rows.append(dict(value=v, seconds=t, peak_mb=mb, n_layers=layers))
-            print(f"  {knob} = {v!s:6} {t:9.4f} s {mb:9.1f} MB" + (f"   ({layers} layers)" if knob == "n_lower" else ""))
-        knobs[knob] = rows
+    print(f"\nknobs at {g['knob_length']:,} context tokens (others as above):")
+    return {knob: knob_rows(g, m, knob, values, ctx, idx, ql, dev, dt) for knob, values in tables}
+
+
+def retrieval_overhead(g, m, ctx, idx, ql, dev):
     # the overhead itself: right and query alternated, so that drift in the machine's speed hits both alike
+    # -> how much slower "query" is than "right", %
+    base = m.scfg
     ts = {"right": [], "query": []}
     with torch.no_grad():
         for _ in range(max(3, 2 * g["repeats"])):
@@ -241,8 +268,14 @@ def main(g):
     m.scfg = base
     med = {p: sorted(v)[len(v) // 2] for p, v in ts.items()}
     overhead = 100 * (med["query"] / med["right"] - 1)
-    print(f"  query-aware retrieval adds {overhead:.1f}% over 'right' at {L:,} context tokens, X_D = {T} "
-          f"(alternated, median of {len(ts['right'])}: {med['right']:.4f} s vs {med['query']:.4f} s)")
+    print(f"  query-aware retrieval adds {overhead:.1f}% over 'right' at {g['knob_length']:,} context tokens, "
+          f"X_D = {g['block_size']} (alternated, median of {len(ts['right'])}: {med['right']:.4f} s vs "
+          f"{med['query']:.4f} s)")
+    return overhead
+
+
+def results(g, name, dt, peak, sweep, overhead, knobs):
+    # the compression pass against the matmul peak at long contexts; everything as one dict, written to --out
     big = [r for r in sweep if r["context_tokens"] >= 32768] or sweep[-1:]
     pct = min(r["compress_pct_of_peak"] for r in big)
     print(f"compression pass: at least {pct:.1f}% of the measured matmul peak ({peak / 1e12:.2f} TFLOP/s) at "
@@ -254,6 +287,23 @@ def main(g):
             json.dump(res, f, indent=1)
         print(f"wrote {g['out']}")
     return res
+
+
+def main(g):
+    dev, dt = auto_device(g["device"], g["dtype"])
+    dt = getattr(torch, dt)
+    check_ranges(g, dict(block_size=(1, float("inf")), knob_length=(1, float("inf")), repeats=(1, float("inf"))))
+    out_file(g["out"])
+    lengths = parse_lengths(g)
+    m = build_checked(g, dev, dt)
+    name, peak = describe(g, m, lengths, dev, dt)
+    gen = torch.Generator().manual_seed(g["seed"])   # the random inputs, the same at every run
+    ql = torch.tensor([g["block_size"]], device=dev)   # X_D is the query (a question, as in QA) for the "query" policy
+    sweep = length_sweep(g, m, lengths, gen, ql, peak, dev, dt)
+    ctx, idx = random_inputs(m, gen, g["knob_length"], g["block_size"], dev)
+    knobs = knob_tables(g, m, ctx, idx, ql, dev, dt)
+    overhead = retrieval_overhead(g, m, ctx, idx, ql, dev)
+    return results(g, name, dt, peak, sweep, overhead, knobs)
 
 
 if __name__ == "__main__":

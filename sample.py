@@ -96,10 +96,10 @@ def cross_attention_picture(model, memory, idx, path, key_chunk, key_at):
         h.remove()
     S = sum(nd.kept for nd in memory.nodes[0])                          # compressed KVs per chunk
     weights = []
-    for i, (x, k, v, q_rope, scale) in sorted(inputs.items()):
-        ca = model.upper.layers[i].cross_attention
-        q = ca.queries(x[:1, -1:], None if q_rope is None else [t[:1, :, -1:] for t in q_rope], scale)[0, :, 0]   # (Hq, hd)
-        k = k[0].repeat_interleave(q.shape[0] // k.shape[1], dim=0)                               # (Hq, n*S, hd)
+    for i, (x, cross) in sorted(inputs.items()):
+        ca, q_rope = model.upper.layers[i].cross_attention, cross.q_rope
+        q = ca.queries(x[:1, -1:], None if q_rope is None else [t[:1, :, -1:] for t in q_rope], cross.scale)[0, :, 0]   # (Hq, hd)
+        k = cross.k[0].repeat_interleave(q.shape[0] // cross.k.shape[1], dim=0)                    # (Hq, n*S, hd)
         weights.append(((k.float() @ q.float()[:, :, None])[..., 0] / q.shape[-1] ** 0.5).softmax(-1))   # (Hq, n*S)
     key_kvs = []
     if key_chunk is not None:   # the KVs of the node that holds the key's first mention
@@ -118,9 +118,8 @@ def cross_attention_picture(model, memory, idx, path, key_chunk, key_at):
     return weights
 
 
-def main(cfg):
-    g = cfg
-    dev, dt = auto_device(g["device"], g["dtype"])
+def check_settings(g):
+    # the settings refused before the model is read (the context and prompt are checked as they are read)
     inf = float("inf")
     check_ranges(g, dict(n_chunks=(1, inf), max_new_tokens=(0, inf), temperature=(0, inf), top_k=(0, inf)))
     if not 0 < g["top_p"] <= 1:
@@ -129,48 +128,59 @@ def main(cfg):
         raise SystemExit(f"--depth={g['depth']}: expected -1 (random) or a value in [0, 1]")
     if g["key"] and not 10000 <= g["key"] <= 99999:
         raise SystemExit(f"--key={g['key']}: expected 0 (random) or a 5-digit key, 10000..99999")
-    torch.manual_seed(g["seed"])
+
+
+def load_model(g, dev, dt):
+    # -> (SharedLLM, tokenizer); the SharedLLM settings left at 0 / "" stay as trained
     shared = {k: g[k] for k in ("n_lower", "chunk_size", "height", "beta", "policy") if g[k]}
     try:
-        model, tok, train_cfg = load_sharedllm(package_path(g["init_from"]), dev, getattr(torch, dt), **shared)
+        model, tok, _ = load_sharedllm(package_path(g["init_from"]), dev, getattr(torch, dt), **shared)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"sample.py: --init_from={g['init_from']}: {e}") from None
-    s = model.scfg
-    C = s.chunk_size
+    return model, tok
 
-    # the context X_C (n chunks of C tokens) and the prompt X_D
-    answer = None
-    if g["context"] == "":
-        rng = random.Random(g["seed"])
+
+def passkey_haystack(g, tok, C):
+    # -> (context ids, prompt ids, the key as text): n_chunks chunks of C tokens with the key at --depth
+    rng = random.Random(g["seed"])
+    try:
+        ctx, xd, _, qlen = data.passkey_sample(tok, rng, g["n_chunks"], C, key=g["key"] or None,
+                                               depth=None if g["depth"] < 0 else g["depth"])
+    except ValueError as e:
+        raise SystemExit(f"sample.py: --n_chunks={g['n_chunks']}: {e}") from None
+    ids = ctx.flatten().tolist()
+    # the question as training and eval.py tokenize it (the key follows as in the needle), or your own prompt
+    prompt_ids = tok.encode(g["prompt"], bos=False) if g["prompt"] else xd[:qlen].tolist()
+    text = tok.decode(ids)
+    answer = re.search(r"The pass key is (\d+)", text).group(1)
+    print(f"context: a passkey haystack, key {answer} at depth "
+          f"{text.index('The pass key is') / len(text):.2f} of {len(ids):,} tokens")
+    return ids, prompt_ids, answer
+
+
+def own_context(g, tok):
+    # -> (context ids, prompt ids) from --context (a string or FILE:path) and --prompt, which must both be given
+    text = g["context"]
+    if text.startswith("FILE:"):
+        path = package_path(text[5:])
+        if not os.path.isfile(path):
+            raise SystemExit(f"sample.py: --context={text}: no such file")
         try:
-            ctx, xd, _, qlen = data.passkey_sample(tok, rng, g["n_chunks"], C, key=g["key"] or None,
-                                                   depth=None if g["depth"] < 0 else g["depth"])
-        except ValueError as e:
-            raise SystemExit(f"sample.py: --n_chunks={g['n_chunks']}: {e}") from None
-        ids = ctx.flatten().tolist()
-        # the question as training and eval.py tokenize it (the key follows as in the needle), or your own prompt
-        prompt_ids = tok.encode(g["prompt"], bos=False) if g["prompt"] else xd[:qlen].tolist()
-        text = tok.decode(ids)
-        answer = re.search(r"The pass key is (\d+)", text).group(1)
-        print(f"context: a passkey haystack, key {answer} at depth "
-              f"{text.index('The pass key is') / len(text):.2f} of {len(ids):,} tokens")
-    else:
-        text = g["context"]
-        if text.startswith("FILE:"):
-            path = package_path(text[5:])
-            if not os.path.isfile(path):
-                raise SystemExit(f"sample.py: --context={text}: no such file")
-            try:
-                text = open(path, encoding="utf-8").read()
-            except UnicodeDecodeError as e:
-                raise SystemExit(f"sample.py: --context={text}: not UTF-8 text (byte {e.object[e.start]:#04x} at "
-                                 f"offset {e.start}); convert it first, e.g. iconv -f latin1 -t utf-8") from None
-        if not text.strip():
-            raise SystemExit("sample.py: --context is empty; give a string or FILE:path")
-        ids = tok.encode(text)
-        if not g["prompt"]:
-            raise SystemExit("sample.py: --prompt is empty; the running text X_D needs at least one token")
-        prompt_ids = tok.encode(g["prompt"], bos=False)
+            text = open(path, encoding="utf-8").read()
+        except UnicodeDecodeError as e:
+            raise SystemExit(f"sample.py: --context={text}: not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                             f"offset {e.start}); convert it first, e.g. iconv -f latin1 -t utf-8") from None
+    if not text.strip():
+        raise SystemExit("sample.py: --context is empty; give a string or FILE:path")
+    ids = tok.encode(text)
+    if not g["prompt"]:
+        raise SystemExit("sample.py: --prompt is empty; the running text X_D needs at least one token")
+    return ids, tok.encode(g["prompt"], bos=False)
+
+
+def whole_chunks(ids, model, dev, dt):
+    # -> (the newest n*C context ids, n): only whole chunks are compressed, and only if they fit in free memory
+    C = model.scfg.chunk_size
     n = len(ids) // C
     if n == 0:
         raise SystemExit(f"sample.py: the context has {len(ids)} tokens; at least one chunk of C = {C} tokens is "
@@ -182,45 +192,68 @@ def main(cfg):
     if need > free:
         raise SystemExit(f"sample.py: compressing {len(ids):,} context tokens ({n} chunks of {C}) needs about "
                          f"{need / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB is free on {dev}: use a shorter context")
-    context_t = torch.tensor(ids, device=dev).view(1, n, C)     # (1, n, C)
-    idx = torch.tensor([prompt_ids], device=dev)                # (1, T)
+    return ids, n
 
-    # compress once; then prefill and decode with the KV cache, streaming the text
+
+def compress_context(model, context_t, idx, dev):
+    # context_t (1, n, C), idx (1, T) -> the compressed memory, once for the whole answer; reports what it kept
+    s = model.scfg
+    n, C = context_t.shape[1:]
     t0 = time.perf_counter()
     try:
         with torch.no_grad():
-            memory = model.compress(context_t, idx, torch.tensor([len(prompt_ids)], device=dev))
+            memory = model.compress(context_t, idx, torch.tensor([idx.shape[1]], device=dev))
     except torch.OutOfMemoryError:
-        raise SystemExit(f"sample.py: out of memory compressing {len(ids):,} tokens on {dev}: use a shorter context") from None
+        raise SystemExit(f"sample.py: out of memory compressing {n * C:,} tokens on {dev}: use a shorter context") from None
     t_compress = time.perf_counter() - t0
     kvs = memory.kv[0][0].shape[2]
-    print(f"context {len(ids):,} tokens = {n} chunks of C = {C} -> {kvs:,} compressed KVs per layer "
-          f"(beta {len(ids) / kvs:g}), M = {s.n_lower} layers, height {s.height}, policy {s.policy!r}; "
+    print(f"context {n * C:,} tokens = {n} chunks of C = {C} -> {kvs:,} compressed KVs per layer "
+          f"(beta {n * C / kvs:g}), M = {s.n_lower} layers, height {s.height}, policy {s.policy!r}; "
           f"compressed in {t_compress * 1000:.0f} ms")
+    return memory
+
+
+def key_mentions(tok, answer, ids):
+    # -> (the key's token ids, the context positions where they occur); both empty without a key
     kid = tok.encode(answer, bos=False) if answer else []
-    at_key = [p for p in range(len(ids) - len(kid) + 1) if kid and ids[p:p + len(kid)] == kid]   # the key's mentions
+    return kid, [p for p in range(len(ids) - len(kid) + 1) if kid and ids[p:p + len(kid)] == kid]
+
+
+def pictures(g, model, memory, idx, n, kid, at_key):
+    # --plot: the method on the key's chunk (else the last); --attention: where the answer's first token reads
+    s = model.scfg
+    C = s.chunk_size
     key_chunk = at_key[0] // C if at_key else None
     if g["plot"]:
         c = n - 1 if key_chunk is None else key_chunk
+        kvs = memory.kv[0][0].shape[2]
         inject = [i for i, blk in enumerate(model.upper.layers) if blk.cross_attention is not None]
         plots.architecture(g["plot"], memory.nodes[c], c, n, C, s.keep, s.n_lower, model.upper.cfg.n_layers, inject,
                            kvs // n, None if key_chunk is None else (at_key[0] % C, at_key[0] % C + len(kid)))
     if g["attention"]:
         cross_attention_picture(model, memory, idx, g["attention"], key_chunk, at_key[0] % C if at_key else None)
-    if g["show_tree"]:
-        shown = set(range(n)) if n <= 8 else {0, 1, n - 2, n - 1} | {p // C for p in at_key[:1]}   # long: a few
-        for c, nodes in enumerate(memory.nodes):
-            if c not in shown:
-                if c - 1 in shown:
-                    print(f"... chunks {c} to {min(x for x in shown if x > c) - 1} not shown")
-                continue
-            at = "".join(f"   <- the key's first mention: tokens [{p - c * C}, {p - c * C + len(kid)}) of this chunk"
-                         for p in at_key[:1] if c * C <= p < (c + 1) * C)
-            print(f"chunk {c} [{c * C}, {(c + 1) * C}): path {tree_path(nodes, C)}{at}")
-            print(tree.describe(nodes, C, s.keep))
+
+
+def show_trees(memory, n, C, keep, kid, at_key):
+    # per chunk: the path the query took and what each preserved node kept (long contexts: the ends and the key's)
+    shown = set(range(n)) if n <= 8 else {0, 1, n - 2, n - 1} | {p // C for p in at_key[:1]}   # long: a few
+    for c, nodes in enumerate(memory.nodes):
+        if c not in shown:
+            if c - 1 in shown:
+                print(f"... chunks {c} to {min(x for x in shown if x > c) - 1} not shown")
+            continue
+        at = "".join(f"   <- the key's first mention: tokens [{p - c * C}, {p - c * C + len(kid)}) of this chunk"
+                     for p in at_key[:1] if c * C <= p < (c + 1) * C)
+        print(f"chunk {c} [{c * C}, {(c + 1) * C}): path {tree_path(nodes, C)}{at}")
+        print(tree.describe(nodes, C, keep))
+
+
+def stream_answer(g, model, tok, idx, memory, answer):
+    # prefill the prompt idx (1, T) and decode with the KV cache, streaming the text
+    # -> (new token ids, their text, prefill seconds, decode tokens/s)
     new = g["max_new_tokens"] or (4 * len(answer) if answer else 64)   # a haystack's key: decoded until complete
     print(f"prompt: {g['prompt'] or data.QUESTION!r}\n---")
-    sys.stdout.write(tok.decode(prompt_ids))
+    sys.stdout.write(tok.decode(idx[0].tolist()))
     out, shown, t1 = [], "", None
     t0 = time.perf_counter()
     for nxt in model.upper.stream(idx, new, memory=memory, temperature=g["temperature"], top_k=g["top_k"] or None,
@@ -236,13 +269,46 @@ def main(cfg):
     t_end = time.perf_counter()
     shown = tok.decode(out)
     print(shown[len(full):] + "\n---")
+    rate = (len(out) - 1) / (t_end - t1) if len(out) > 1 else float("nan")
+    return out, shown, t1 - t0, rate
+
+
+def report(out, shown, answer, prefill_s, rate, dev, dt):
+    # the answer checked against the haystack's key, the speed, and the peak memory of the whole run
     if answer:
         print(f"expected {answer}: {'correct' if shown.strip().startswith(answer) else 'wrong'}")
-    rate = (len(out) - 1) / (t_end - t1) if len(out) > 1 else float("nan")
     peak = torch.cuda.max_memory_allocated() / 2**20 if dev.startswith("cuda") else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"{len(out)} tokens; prefill {(t1 - t0) * 1000:.0f} ms, decode {rate:.1f} tokens/s; peak memory {peak:,.0f} MB "
+    print(f"{len(out)} tokens; prefill {prefill_s * 1000:.0f} ms, decode {rate:.1f} tokens/s; peak memory {peak:,.0f} MB "
           f"({'CUDA allocated' if dev.startswith('cuda') else 'process RSS'}); device {dev}, {dt}")
+
+
+def main(cfg):
+    g = cfg
+    dev, dt = auto_device(g["device"], g["dtype"])
+    check_settings(g)
+    torch.manual_seed(g["seed"])
+    model, tok = load_model(g, dev, dt)
+    C = model.scfg.chunk_size
+
+    # the context X_C (n chunks of C tokens) and the prompt X_D
+    answer = None
+    if g["context"] == "":
+        ids, prompt_ids, answer = passkey_haystack(g, tok, C)
+    else:
+        ids, prompt_ids = own_context(g, tok)
+    ids, n = whole_chunks(ids, model, dev, dt)
+    context_t = torch.tensor(ids, device=dev).view(1, n, C)     # (1, n, C)
+    idx = torch.tensor([prompt_ids], device=dev)                # (1, T)
+
+    # compress once; then prefill and decode with the KV cache, streaming the text
+    memory = compress_context(model, context_t, idx, dev)
+    kid, at_key = key_mentions(tok, answer, ids)
+    pictures(g, model, memory, idx, n, kid, at_key)
+    if g["show_tree"]:
+        show_trees(memory, n, C, model.scfg.keep, kid, at_key)
+    out, shown, prefill_s, rate = stream_answer(g, model, tok, idx, memory, answer)
+    report(out, shown, answer, prefill_s, rate, dev, dt)
     return out
 
 
