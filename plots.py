@@ -46,8 +46,8 @@ def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, injec
     if plt is None:
         return None
     from matplotlib.patches import FancyArrowPatch, Rectangle
-    fig, ax = plt.subplots(figsize=(13, 6.5))
-    ax.set_xlim(0, 13), ax.set_ylim(0, 6.5), ax.axis("off")
+    fig, ax = plt.subplots(figsize=(13.7, 6.5))
+    ax.set_xlim(-0.7, 13), ax.set_ylim(0, 6.5), ax.axis("off")   # x < 0: the tree's level names, left of its rows
     height = max(nd.level for nd in nodes)
     # X_C: the chunks, the drawn one highlighted
     shown = min(n_chunks, 16)
@@ -61,7 +61,6 @@ def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, injec
     ax.text(x0, 5.45, f"chunk {chunk}: its context tree (height {height}); filled = preserved, dashed = expanded, "
             "ticks = kept KVs", fontsize=10)
     ax.add_patch(Rectangle((x0, 4.9), w, 0.3, fc="none", ec=LEVEL_COLORS[0], lw=1.2))
-    ax.text(x0 + w + 0.1, 4.95, "root", fontsize=8)
     lo, hi = 0, C   # the node being expanded: drawn dashed, its preserved sibling filled
     for nd in sorted(nodes, key=lambda nd: (nd.level, nd.start)):
         y = 4.9 - 0.75 * nd.level
@@ -75,8 +74,9 @@ def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, injec
         if nd.level < height:
             lo, hi = (nd.end, hi) if nd.start == lo else (lo, nd.start)
             ax.add_patch(Rectangle((x0 + w * lo / C, y), w * (hi - lo) / C, 0.3, fc="none", ec="k", ls="--", lw=0.8))
-    for level in range(1, height + 1):
-        ax.text(x0 + w + 0.1, 4.95 - 0.75 * level, f"level {level}", fontsize=8)
+    for level in range(height + 1):   # left of the rows, so that no name sits beside the K/V box on the right
+        ax.text(x0 - 0.12, 5.05 - 0.75 * level, f"level {level}" if level else "root", fontsize=8, ha="right",
+                va="center")
     if key is not None:
         a, b = x0 + w * key[0] / C, x0 + w * key[1] / C
         ax.add_patch(Rectangle((a, 4.9 - 0.75 * height - 0.15), max(b - a, 0.03), 0.75 * height + 0.45, fc="red", alpha=0.25))
@@ -106,15 +106,18 @@ def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, injec
     return save(plt, fig, path)
 
 
-def attention(path, weights, kvs_per_chunk, key_chunk=None, key_kvs=(), title=""):
+def attention(path, weights, kvs_per_chunk, key_chunk=None, key_nodes=(), title=""):
     # weights: per cross-attention layer, a (heads, n*S) list of lists: the answer's first token over every compressed
-    # KV; key_chunk: the chunk holding the key (shaded); key_kvs: indices of the KVs of the node that holds it (marked)
+    # KV; key_chunk: the chunk of the key's first mention (shaded); key_nodes: (label, KV indices) of every node that
+    # holds a mention of the key (the needle names it twice), each marked in its own colour and listed with its weight
+    # per head
     plt = pyplot()
     if plt is None:
         return None
     import numpy as np
     fig, axes = plt.subplots(len(weights), 1, figsize=(13, 1.2 + 1.5 * len(weights)), squeeze=False,
                              layout="constrained")
+    colors = ["cyan", "#7CFC00", "#ff9f1c", "#ff4fd8"]
     for j, (ax, w) in enumerate(zip(axes[:, 0], weights)):
         w = np.asarray(w)
         ax.imshow(w, aspect="auto", cmap="magma", interpolation="nearest", vmin=0, vmax=max(w.max(), 1e-9))
@@ -125,12 +128,18 @@ def attention(path, weights, kvs_per_chunk, key_chunk=None, key_kvs=(), title=""
             mass = w[:, key_chunk * kvs_per_chunk:(key_chunk + 1) * kvs_per_chunk].sum(1)
             ax.set_title(f"cross-attention layer {j + 1}: weight on the key's chunk per head " +
                          ", ".join(f"{m:.2f}" for m in mass), fontsize=9, loc="left")
-        for i in key_kvs:
-            ax.plot(i, -0.7, marker="v", color="cyan", ms=5, clip_on=False)
+        for k, (label, kvs) in enumerate(key_nodes):
+            color = colors[k % len(colors)]
+            ax.plot(kvs, [-0.7] * len(kvs), ls="none", marker="v", color=color, mec="k", mew=0.3, ms=5, clip_on=False,
+                    label=f"{label}; per head " + ", ".join(f"{m:.2f}" for m in w[:, kvs].sum(1)))
+        if key_nodes:   # above the panel, right of its title: the triangles' key, with this layer's weights
+            ax.legend(loc="lower right", bbox_to_anchor=(1, 1.07), fontsize=7, frameon=False, handletextpad=0.3,
+                      borderaxespad=0)
         ax.set_ylim(w.shape[0] - 0.5, -0.5)
         ax.set_yticks(range(w.shape[0]), [f"head {h}" for h in range(w.shape[0])], fontsize=7)
     axes[-1, 0].set_xlabel(f"compressed KVs, chunk by chunk in text order ({kvs_per_chunk} per chunk); shaded: the "
-                           "key's chunk; triangles: the KVs of the node that holds the key")
+                           "chunk of the key's first mention; triangles: the KVs of every node that holds a mention of "
+                           "the key")
     fig.suptitle(title, fontsize=10)
     return save(plt, fig, path)
 

@@ -83,10 +83,12 @@ def tree_path(nodes, C):
 
 
 @torch.no_grad()
-def cross_attention_picture(model, memory, idx, path, key_chunk, key_at):
+def cross_attention_picture(model, memory, idx, path, key_chunk, mentions):
     # The weights with which the last prompt token (the one that predicts the answer's first token) reads every
     # compressed KV, in every cross-attention layer: softmax(q k^T / sqrt(hd)) from the layer's own queries, captured
-    # in a forward pass over the prompt. Printed as text; drawn when matplotlib is there.
+    # in a forward pass over the prompt. Printed as text; drawn when matplotlib is there. mentions: the context
+    # positions [start, end) of every mention of the key (the needle names it twice); every node that holds one is
+    # marked, with the weight each head puts on it.
     inputs, hooks = {}, []
     for i, blk in enumerate(model.upper.layers):
         if blk.cross_attention is not None:
@@ -101,21 +103,34 @@ def cross_attention_picture(model, memory, idx, path, key_chunk, key_at):
         q = ca.queries(x[:1, -1:], None if q_rope is None else [t[:1, :, -1:] for t in q_rope], cross.scale)[0, :, 0]   # (Hq, hd)
         k = cross.k[0].repeat_interleave(q.shape[0] // cross.k.shape[1], dim=0)                    # (Hq, n*S, hd)
         weights.append(((k.float() @ q.float()[:, :, None])[..., 0] / q.shape[-1] ** 0.5).softmax(-1))   # (Hq, n*S)
-    key_kvs = []
-    if key_chunk is not None:   # the KVs of the node that holds the key's first mention
-        start = key_chunk * S
-        for nd in memory.nodes[key_chunk]:
-            if nd.start <= key_at < nd.end:
-                key_kvs = list(range(start, start + nd.kept))
-            start += nd.kept
+    key_nodes = mention_nodes(memory.nodes, model.scfg.chunk_size, S, mentions or [])
     for j, w in enumerate(weights):
         top = w.max(0).values.topk(min(3, w.shape[1])).indices.tolist()
         where = "" if key_chunk is None else ", on the key's chunk per head " + \
             " ".join(f"{m:.2f}" for m in w[:, key_chunk * S:(key_chunk + 1) * S].sum(1).tolist())
         print(f"cross-attention layer {j + 1}: the most-read KVs {top} (chunk {', '.join(str(t // S) for t in top)}){where}")
+        for label, kvs in key_nodes:
+            print(f"  {label}: per head " + " ".join(f"{m:.2f}" for m in w[:, kvs].sum(1).tolist()))
     title = f"the answer's first token reading {weights[0].shape[1]:,} compressed KVs ({len(weights)} cross-attention layers)"
-    plots.attention(path, [w.tolist() for w in weights], S, key_chunk, key_kvs, title)
+    plots.attention(path, [w.tolist() for w in weights], S, key_chunk, key_nodes, title)
     return weights
+
+
+def mention_nodes(nodes, C, S, mentions):
+    # -> [(label, KV indices)]: every preserved node that holds (part of) a mention of the key, in text order; the
+    # KVs of chunk c are c*S .. c*S + S - 1, node by node in the order memory.nodes lists them
+    out = []
+    for c, chunk_nodes in enumerate(nodes):
+        first = c * S
+        for nd in chunk_nodes:
+            held = [m + 1 for m, (a, b) in enumerate(mentions) if a < c * C + nd.end and c * C + nd.start < b]
+            if held:
+                which = f"mention {held[0]}" if len(held) == 1 else "mentions " + " and ".join(map(str, held))
+                kvs = f"KV {first}" if nd.kept == 1 else f"KVs {first}-{first + nd.kept - 1}"
+                out.append((f"{which} of the key: chunk {c}'s node [{nd.start}, {nd.end}) = {kvs}",
+                            list(range(first, first + nd.kept))))
+            first += nd.kept
+    return out
 
 
 def check_settings(g):
@@ -214,8 +229,10 @@ def compress_context(model, context_t, idx, dev):
 
 
 def key_mentions(tok, answer, ids):
-    # -> (the key's token ids, the context positions where they occur); both empty without a key
-    kid = tok.encode(answer, bos=False) if answer else []
+    # -> (the key's token ids, the context positions where they occur: the needle names the key twice); both empty
+    # without a key. The ids are the answer's as the needle has them (data.passkey_question), which a tokenizer that
+    # folds the space before the key into its first token (GPT-2) makes different from the key encoded alone
+    kid = data.passkey_question(tok, answer)[1] if answer else []
     return kid, [p for p in range(len(ids) - len(kid) + 1) if kid and ids[p:p + len(kid)] == kid]
 
 
@@ -231,7 +248,7 @@ def pictures(g, model, memory, idx, n, kid, at_key):
         plots.architecture(g["plot"], memory.nodes[c], c, n, C, s.keep, s.n_lower, model.upper.cfg.n_layers, inject,
                            kvs // n, None if key_chunk is None else (at_key[0] % C, at_key[0] % C + len(kid)))
     if g["attention"]:
-        cross_attention_picture(model, memory, idx, g["attention"], key_chunk, at_key[0] % C if at_key else None)
+        cross_attention_picture(model, memory, idx, g["attention"], key_chunk, [(p, p + len(kid)) for p in at_key])
 
 
 def show_trees(memory, n, C, keep, kid, at_key):

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import data
 import eval as E
 import model as M
 import plots
@@ -69,6 +70,7 @@ def test_every_picture_from_a_tiny_model(micro_run, tmp_path, capsys):
         assert f.read_bytes()[:8] == PNG and f.stat().st_size > 10_000, f
     out = capsys.readouterr().out
     assert "cross-attention layer 1: the most-read KVs" in out and "iter      4: passkey@2" in out
+    assert re.search(r"  mentions? [\d and]+ of the key: chunk \d+'s node \[\d+, \d+\) = KVs? \d+(-\d+)?: per head ", out)
 
 
 def test_text_forms_without_matplotlib(micro_run, tmp_path, monkeypatch, capsys):
@@ -106,6 +108,40 @@ def test_attention_picture_weights_are_what_the_layer_reads(tmp_path):
             assert torch.allclose(weights[j].sum(-1), torch.ones(weights[j].shape[0]))
 
 
+def test_the_attention_picture_marks_every_node_that_holds_a_mention_of_the_key(micro_run, monkeypatch, capsys):
+    # data.NEEDLE names the key twice: every preserved node that holds either mention, in whichever chunk, is marked
+    # (its KVs, chunk by chunk in memory order) and printed with its weight per head; no other node is
+    assert data.NEEDLE.count("{key}") == 2
+    drawn = {}
+    monkeypatch.setattr(plots, "attention", lambda path, w, S, key_chunk, key_nodes, title: drawn.update(nodes=key_nodes))
+    g = parse_overrides([f"--init_from={micro_run / 'out'}", "--n_chunks=6", "--key=90970", "--depth=0.5"],
+                        config_of(vars(S)), S.__file__)
+    model, tok = S.load_model(g, "cpu", "float32")
+    C = model.scfg.chunk_size
+    ids, prompt_ids, answer = S.passkey_haystack(g, tok, C)
+    memory = S.compress_context(model, torch.tensor(ids).view(1, 6, C), torch.tensor([prompt_ids]), "cpu")
+    kid, at_key = S.key_mentions(tok, answer, ids)
+    text, bos = tok.decode(ids), len(tok.encode(""))                   # bytes: one token per character after BOS
+    assert tok.spec == {"kind": "byte"} and answer == "90970" and len(at_key) == 2
+    assert at_key == [bos + m.start() for m in re.finditer(answer, text)]
+    mentions = [(p, p + len(kid)) for p in at_key]
+    weights = S.cross_attention_picture(model, memory, torch.tensor([prompt_ids]), "unused.png", at_key[0] // C,
+                                        mentions)
+    S_ = sum(nd.kept for nd in memory.nodes[0])
+    want, first = [], 0
+    for c, nodes in enumerate(memory.nodes):
+        for nd in nodes:
+            if any(a < c * C + nd.end and c * C + nd.start < b for a, b in mentions):
+                want.append(list(range(first, first + nd.kept)))
+            first += nd.kept
+    assert first == 6 * S_ and [kvs for _, kvs in drawn["nodes"]] == want and len(want) >= 2
+    held = {m for label, _ in drawn["nodes"] for m in re.findall(r"\d+", label.split(" of the key")[0])}
+    assert held == {"1", "2"}                                            # both mentions are marked
+    out = capsys.readouterr().out
+    for label, _ in drawn["nodes"]:
+        assert out.count(f"  {label}: per head ") == len(weights)        # once per cross-attention layer
+
+
 def workshop_commands():
     text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
     blocks = re.findall(r"```\n(.*?)```", text, re.S)
@@ -118,6 +154,13 @@ def test_every_workshop_command_runs_with_a_micro_config(micro_run, tmp_path, mo
     import importlib.util
     cmds = workshop_commands()
     assert len(cmds) >= 10 and {c[1] for c in cmds} >= {"train.py", "sample.py", "eval.py", "plots.py", "tree.py"}
+    # every picture a command draws has its own name: no run overwrites another's (eval.py's passkey heatmap goes
+    # next to its --out file, else to passkey.png)
+    drawn = [a.split("=", 1)[1].rsplit(".", 1)[0] for c in cmds for a in c[2:]
+             if a.startswith(("--plot=", "--attention=")) or (c[1] == "eval.py" and a.startswith("--out="))]
+    drawn += ["passkey" for c in cmds if c[1] == "eval.py" and "--task=passkey" in c and
+              not any(a.startswith("--out=") for a in c)]
+    assert len(drawn) == len(set(drawn)), sorted(drawn)
     outs = {"out-workshop": str(micro_run / "out")}                    # a run's out_dir -> where it is here
     docs = str(micro_run / "docs")
     monkeypatch.chdir(tmp_path)                                          # pictures land here, not in the repository
@@ -143,6 +186,18 @@ def test_every_workshop_command_runs_with_a_micro_config(micro_run, tmp_path, mo
         else:
             monkeypatch.setattr(sys, "argv", [script] + args)
             runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+
+
+def test_the_workshop_installs_everything_at_setup_with_pinned_versions():
+    # the real model's packages are installed in the setup block, before the first training run, and gguf at the
+    # version the tests pin
+    text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
+    setup = text[text.index("## Setup"):text.index("## Exercises")]
+    pins = re.findall(r"^gguf==\S+", open(os.path.join(ROOT, "requirements-test.txt")).read(), re.M)
+    assert pins and f"pip install {pins[0]} && pip install --no-deps -r requirements-real.txt" in setup
+    blocks = re.findall(r"```\n(.*?)```", text[text.index("## Exercises"):], re.S)
+    assert not any("pip install" in b for b in blocks)                   # nothing left to install in the exercises
+    assert re.findall(r"pip install gguf(?:==\S+)?", text) == [f"pip install {pins[0]}"]
 
 
 def test_a_broken_or_empty_log_is_named(tmp_path, capsys):
