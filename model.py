@@ -218,7 +218,7 @@ class SelfAttention(nn.Module):
 
 
 # What an upper layer's cross-attention reads (paper Eq. 3): the compressed K (rotated) and V of its lower layer,
-# (B, Hkv, S, hd) each; the rotation of the X_D queries to their chunk position (cos, sin), or None; a query scale.
+# (B, Hkv, n*S, hd) each (S KVs per chunk); the rotation of the X_D queries to their chunk position (cos, sin), or None; a query scale.
 Cross = namedtuple("Cross", "k v q_rope scale")
 
 
@@ -296,7 +296,7 @@ class Llama(nn.Module):
     def forward(self, idx, targets=None, start_pos=0, caches=None, memory=None, last=0):
         # idx: (B, T) token ids at positions start_pos..start_pos+T-1 (X_D starts at position 0).
         # memory: a compressed context from SharedLLM.compress, or None for the plain LLaMA.
-        # last: logits for the last `last` positions only (0 = all): scoring a 16K-token window needs a few hundred
+        # last: logits for the last `last` positions only (0 = all), for scoring a long window's end
         B, T = idx.shape
         assert caches is None or caches[0].length == start_pos, "decode positions in order: start_pos = cache length"
         rope = self.rope(torch.arange(start_pos, start_pos + T, device=idx.device))
@@ -361,16 +361,16 @@ def sample_next(logits, temperature=0.0, top_k=None, top_p=None):
 
 @dataclass
 class SharedConfig:
-    # The recommended settings, the same as train.py's default recipe (a test keeps them equal); docs/differences.md
-    # compares them with the paper's. Sizes (M, C) are the paper's LLaMA-2 ones.
+    # The method's settings. Their defaults are train.py's recipe (a test keeps them equal), except the sizes M and C,
+    # which are the paper's LLaMA-2 ones; docs/differences.md compares them with the paper's settings.
     n_lower: int = 4          # M: lower-model layers = cross-attention layers of the upper (paper: 4 LM, 16 SFT)
     chunk_size: int = 1024    # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
     height: int = 3           # h: levels of the context tree below the root
     beta: int = 8             # overall compression: C / (KVs kept per chunk)
     policy: str = "query"     # which child to expand: "query" (cosine with the query; a row with no query, as in
                               # language modeling, goes right) or "right" (always the most recent half: the paper's LM)
-    noise: float = 0.0        # the split noise's gamma (Algorithm 1): eps ~ N(0, sigma^2) in training, sigma = l / gamma
-                              # (l: the node's length), so LARGER means LESS noise; 0 = exact halves (paper: 5 LM, 10 SFT)
+    noise: float = 0.0        # the split noise: eps ~ N(0, sigma^2) in training with sigma = l / noise (l: the node's
+                              # length; the paper's table: l/5 LM, l/10 SFT), so LARGER means LESS noise; 0 = exact halves
     chunk_ids: str = "clamp"  # chunk-level position ids in cross-attention (Eq. 2): "plain" (the paper: keys of chunk i
                               # at i, queries at n), "off" (the ablation), or "clamp" / "random" (below)
     # --- beyond the paper (see "Options beyond the paper" at the end of this file) ---
@@ -510,15 +510,21 @@ class SharedLLM(nn.Module):
 
     def encode_nodes(self, rows, nodes, first_kv=None):
         # Step 3 (Sec. 3.2), batched: what encode_nodes_reference does one node at a time, for many nodes per call.
-        # The nodes of one level have about the same length, so they go through the lower model together, right-padded,
-        # about ENCODE_TOKENS tokens per call (a bounded working set: a long context compresses at a short one's speed,
-        # in flat memory). rows: (B*n, C); nodes: per row, its preserved tree.Nodes; first_kv: see compress
+        # Where it departs from the reference, and why the result is the same:
+        # - the nodes of one level (the same length up to the split noise, the same count kept) go through the lower
+        #   model together, right-padded by repeating their last token: attention is causal, so no real position
+        #   reads the padding; about ENCODE_TOKENS tokens per call, so that memory stays bounded at any length;
+        # - with the query policy, the first layer's K/V are taken from first_kv: before RoPE they depend on the
+        #   token alone, so only K's rotation (to the node's own positions) is redone (spans_first_kv);
+        # - the last lower block projects only the kept tokens' K/V: nothing reads its output (lower_kv);
+        # - the calls come out level by level; `order` puts the kept KVs back in text order.
+        # rows: (B*n, C); nodes: per row, its preserved tree.Nodes; first_kv: see compress
         # -> per lower layer (K, V), each (all kept KVs, Hkv, hd), in text order: row, node, kept position
         if ENCODE_PATH == "reference":
             return self.encode_nodes_reference(rows, nodes)
         low, cfg = self.lower_model(), self.scfg
         calls = [([], []) for _ in range(cfg.n_lower)]   # per layer: each call's kept K and V, (R * n_kept, Hkv, hd)
-        first_in_calls, done = {}, 0                     # (row, node start) -> its first kept KV's index in the calls
+        offset_of, n_out = {}, 0                         # (row, node start) -> its first kept KV's index in the calls
         for level in range(1, cfg.height + 1):
             at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
             per_call = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
@@ -530,26 +536,27 @@ class SharedLLM(nn.Module):
                     for out, t in zip(calls[j], kv):
                         out.append(t.transpose(1, 2).flatten(0, 1))
                 for i, (r, nd) in enumerate(sel):
-                    first_in_calls[r, nd.start] = done + i * kept_at.shape[1]
-                done += kept_at.numel()
-        order = to_device([first_in_calls[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
+                    offset_of[r, nd.start] = n_out + i * kept_at.shape[1]
+                n_out += kept_at.numel()
+        order = to_device([offset_of[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
                            for t in range(nd.kept)], rows.device)    # text order -> index in the calls
         return [(torch.cat(ks)[order], torch.cat(vs)[order]) for ks, vs in calls]
 
     def encode_nodes_reference(self, rows, nodes):
         # Step 3 (Sec. 3.2), the obviously correct way: each preserved node is a sequence of its own (positions
         # 0..len-1) through the lower model, its bottom M blocks with no cross-attention; each block's KV cache then
-        # holds exactly the K (rotated) and V the paper keeps, read at the node's kept positions. Same in/out as
-        # encode_nodes, which is tested equal to this in values and gradients.
+        # holds exactly the K (rotated) and V the paper keeps (SelfAttention.forward writes them there), read at the
+        # node's kept positions. Same in/out as encode_nodes, which is tested equal to this in values and gradients.
         low, cfg = self.lower_model(), self.scfg
         kv = [([], []) for _ in range(cfg.n_lower)]
         for r, row_nodes in enumerate(nodes):
             for nd in row_nodes:
                 tokens = rows[r:r + 1, nd.start:nd.end]                                 # (1, len)
                 x, rope = low.tok_embeddings(tokens), low.rope(torch.arange(len(nd), device=rows.device))
-                caches = [KVCache(1, low.cfg.n_kv_heads, len(nd), low.cfg.head_dim, rows.device, x.dtype)
-                          for _ in range(cfg.n_lower)]
-                for block, cache in zip(low.layers, caches):
+                dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+                caches = [KVCache(1, low.cfg.n_kv_heads, len(nd), low.cfg.head_dim, rows.device, dtype)
+                          for _ in range(cfg.n_lower)]   # in the dtype attention computes K/V in (bf16 under autocast)
+                for block, cache in zip(low.layers[:cfg.n_lower], caches):
                     x = block(x, rope, cache)
                 kept_at = tree.keep_index(len(nd), nd.kept, cfg.keep)
                 for j, cache in enumerate(caches):                                      # (n_kept, Hkv, hd) each
@@ -560,7 +567,8 @@ class SharedLLM(nn.Module):
     def chunk_level_kv(self, kv, nodes, B, n):
         # Step 4 (Eq. 2): each chunk's kept K/V side by side, every key of chunk i rotated to chunk position i on top
         # of its node-local rotation, and every X_D query placed at position n (Llama.forward rotates it). RoPE then
-        # gives a query-key angle of (n - i) chunks: the upper model sees the order of the chunks.
+        # makes a query-key angle depend on n - i - p (p: the key's position inside its node): one chunk step is one
+        # token of rotation, and the upper model sees the order of the chunks.
         # kv: per lower layer (K, V), each (B*n*S, Hkv, hd) in text order -> Memory with (B, Hkv, n*S, hd) each
         S = sum(nd.kept for nd in nodes[0])                                   # KVs kept per chunk, the same for all
         device = kv[0][0].device
@@ -625,24 +633,26 @@ def spans_first_kv(llama, first_kv, at):
     return apply_rope(k, *llama.rope(torch.arange(at.shape[1], device=at.device))), v
 
 
-def retrieval_vector(llama, idx, ends, starts=None, kv=None):
-    # The vector the query policy compares: the first layer (attention + MLP) then the final norm, at the last position
-    # of a span, the span read as a sequence of its own. idx (R, L): token rows; ends, starts (R, n_spans): spans
-    # [start, end] per row (inclusive; starts None = 0) -> (R, n_spans, dim). Only that one position's output is
-    # needed, so only it gets a query, attention and MLP. kv: the first layer's K (rotated at 0..L-1), V of the rows.
+def retrieval_vector(llama, tokens, ends, starts=None, kv=None):
+    # The vector the query policy compares: the first block (attention + MLP) then the final norm, at the last position
+    # of a span, the span read as a sequence of its own. (The paper says "one self-attention layer"; this follows the
+    # released code, whose vector also went through the MLP and the norm.) tokens (R, L): token rows; ends, starts
+    # (R, n_spans): spans [start, end] per row, both INCLUSIVE (a tree.Node's end is exclusive; starts None = 0)
+    # -> (R, n_spans, dim). Only that one position's output is needed, so only it gets a query, attention and MLP.
+    # kv: the first layer's K (rotated at 0..L-1), V of the rows, if already computed.
     R, n_spans = ends.shape
     layer, att = llama.layers[0], llama.layers[0].attention
     if kv is None:
-        k, v = (t.transpose(1, 2) for t in first_layer_kv(llama, idx))                   # (R, Hkv, L, hd)
-        kv = apply_rope(k, *llama.rope(torch.arange(idx.shape[1], device=idx.device))), v
+        k, v = (t.transpose(1, 2) for t in first_layer_kv(llama, tokens))                   # (R, Hkv, L, hd)
+        kv = apply_rope(k, *llama.rope(torch.arange(tokens.shape[1], device=tokens.device))), v
     k, v = kv
-    x = llama.tok_embeddings(idx.gather(1, ends))                                        # (R, n_spans, dim)
+    x = llama.tok_embeddings(tokens.gather(1, ends))                                        # (R, n_spans, dim)
     cos, sin = llama.rope(ends)                                                          # (R, n_spans, hd)
     q = att.wq(layer.attention_norm(x)).view(R, n_spans, att.n_kv_heads, -1, att.head_dim).transpose(1, 2)
     q = apply_rope(q, cos[:, None, :, None], sin[:, None, :, None])           # (R, Hkv, n_spans, G, hd), G = Hq/Hkv
     # one query per span: a plain softmax over its own keys, in fp32
     scores = (q.float().flatten(2, 3) @ k.float().transpose(-2, -1)).unflatten(2, q.shape[2:4])   # (R,Hkv,n_spans,G,L)
-    pos = torch.arange(k.shape[2], device=idx.device)
+    pos = torch.arange(k.shape[2], device=tokens.device)
     lo = 0 if starts is None else starts[..., None]
     outside = (pos > ends[..., None]) | (pos < lo)                                       # (R, n_spans, L)
     scores = scores.masked_fill(outside[:, None, :, None], float("-inf")) / math.sqrt(att.head_dim)
@@ -668,8 +678,9 @@ def gather_spans(rows, row_ids, spans):
     return rows.reshape(-1)[at], at
 
 # -----------------------------------------------------------------------------
-# Options beyond the paper. The default path above reads without them; each is a SharedConfig setting, off unless
-# named, and docs/differences.md says what it changes and what it measured.
+# Options beyond the paper, each a SharedConfig setting; docs/differences.md says what it changes and what it
+# measured. One of them is on by default: chunk_ids="clamp" (the paper's Eq. 2 is chunk_ids="plain"); the others
+# (random ids, log-n scaling, inject top / interleaved, lower="copy", keep="first") are off unless named.
 
 
 def other_chunk_positions(scfg, B, n, device, training):
@@ -716,6 +727,7 @@ def injection_layers(n_layers, m, where):
 
 def frozen_copy(llama, m):
     # lower="copy": the lower model as its own frozen copy of the embedding, the bottom m blocks and the final norm
+    # (retrieval_vector reads it): what the upper model trains (train.py: --train=cross+top or upper) leaves it as it was
     lower = copy.deepcopy(llama)
     lower.layers, lower.output = lower.layers[:m], None
     return lower.requires_grad_(False)

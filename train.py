@@ -41,7 +41,7 @@ data_dir = ""               # a folder of .txt files (or a glob like dir/*_gut.t
 tokenizer = "byte"          # "byte" | "gpt2" | a tokenizer.model / tokenizer.json path (a LLaMA folder brings its own)
 n_chunks = 4                # n: context chunks per training sample (X_C = n x C tokens)
 block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)
-# model: preset for scratch, SharedLLM settings always (the paper's; model.SharedConfig says more)
+# model: preset for scratch, SharedLLM settings always (model.SharedConfig says which are the paper's)
 preset = "tiny"             # model.PRESETS key, for init_from=scratch
 n_lower = 2                 # M: lower-model layers = cross-attention layers
 chunk_size = 128            # C
@@ -52,7 +52,8 @@ noise = 0.0                 # training split noise gamma: sigma = l / gamma, so 
 chunk_ids = "clamp"         # chunk-level position ids: "plain" (paper) | "clamp" (plain up to max_chunk_dist, farther
                             # chunks at that distance: extrapolates) | "random" (random ids in training) | "off"
 train = "all"               # what trains: "all" | "cross" (cross-attention only: released code, LM) |
-                            # "cross+top" (plus the top N-M layers: the paper's LM text) | "upper" (the whole upper model: SFT)
+                            # "cross+top" (plus the top N-M layers: the paper's LM text) | "upper" (the whole upper model: SFT);
+                            # the last two compress with a frozen copy of the bottom M layers (SharedConfig.lower="copy")
 # optimizer
 batch_size = 16
 max_iters = 6500

@@ -11,10 +11,12 @@ evaluation). A policy picks the child to EXPAND; the other child is PRESERVED. A
                      [512 .. 768) preserved  [768 .. 1024) level 2
                                   [768..896) [896..1024)   level 3: both preserved
 
-Every preserved node keeps a few of its key/value states, evenly strided. Coarse nodes keep a
-smaller fraction than fine ones: the fraction kept doubles at each level down (alpha_w = 2 alpha_(w+1)),
-which with C=1024, h=3, beta=8 is 32 KVs from each of 512 / 256 / 128 / 128 tokens (1/16, 1/8, 1/4).
-Overall compression beta = C / (KVs kept per chunk).
+Every preserved node keeps a few of its key/value states, evenly strided. Coarse nodes are compressed
+more than fine ones: the node's compression ratio alpha = l / l' (tokens / KVs kept) halves at each level
+down (alpha_w = 2 alpha_(w+1)), which with C=1024, h=3, beta=8 is 32 KVs from each of 512 / 256 / 128 / 128
+tokens: alpha = 16, 8, 4 (the paper's table prints the fractions kept, 1/16, 1/8, 1/4).
+Overall compression beta = C / (KVs kept per chunk). The split noise applies at every level, the leaves'
+split too (Eq. 1: "any non-leaf node"; Algorithm 1's pseudocode halves the last node exactly).
 
 This file only decides WHICH spans are kept and HOW MANY KVs each keeps. The neural work (encoding
 spans with the lower model, the query-aware similarity) lives in model.py: it passes `decide` in.
@@ -50,7 +52,7 @@ def node_budget(chunk_size, height, beta):
     total = max(n_nodes, round(chunk_size / beta))     # KVs kept per chunk
     if beta > 2 and total / n_nodes <= lengths[height]:
         # the paper's level-wise scheme: every node keeps the same count, so the fraction kept doubles
-        # with each level down (nodes halve). Any remainder goes to the finest nodes first.
+        # with each level down (nodes halve).
         base = total // n_nodes
         budget = [0] + [base] * height
         spare = total - base * n_nodes
