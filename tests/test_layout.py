@@ -14,7 +14,7 @@ from configurator import config_of, parse_overrides
 from conftest import ROOT
 from checkpoint import load_sharedllm, read_checkpoint
 
-SCRIPTS = {"train", "sample", "eval", "bench"}
+SCRIPTS = {"train", "sample", "eval", "bench", "seeds"}
 # what each module may import from this project: scripts -> loader -> model -> tree; data, configurator and plots
 # serve the scripts only
 ALLOWED = {
