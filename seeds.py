@@ -66,12 +66,15 @@ def run_all(picked, train_args, cfg):
 
 
 def final_eval(out_dir):
-    # the last evaluation record of a run's log.jsonl, or None if it has none yet
+    # the last evaluation record of a run's log.jsonl (with the minutes its training took), or None if it has none yet
     path = os.path.join(out_dir, "log.jsonl")
     if not os.path.isfile(path):
         return None
-    evals = [json.loads(line) for line in open(path) if '"eval"' in line]
-    return evals[-1] if evals else None
+    records = [json.loads(line) for line in open(path)]
+    evals = [r for r in records if "eval" in r]
+    if not evals:
+        return None
+    return {**evals[-1], "minutes": max([r["minutes"] for r in records if "minutes" in r], default=None)}
 
 
 def table(picked, cfg, walls):
@@ -83,9 +86,10 @@ def table(picked, cfg, walls):
     keys = [k for k in next(iter(done.values()))["eval"] if k.startswith(("passkey@", "ppl_ratio@"))]
     print(f"\n{len(done)} of {len(picked)} seeds ({cfg['threads']} thread(s) each); final evaluation at iteration "
           f"{', '.join(sorted({str(r['iter']) for r in done.values()}))}")
-    print("| seed | " + " | ".join(keys) + " | wall |\n|---|" + "---|" * (len(keys) + 1))
+    print("| seed | " + " | ".join(keys) + " | wall (training) |\n|---|" + "---|" * (len(keys) + 1))
     for s, r in done.items():
-        wall = f"{walls[s] / 60:.1f} min" if s in walls else ""
+        wall = (f"{walls[s] / 60:.1f} min " if s in walls else "") + \
+            (f"({r['minutes']:.1f} min)" if r["minutes"] is not None else "")
         print(f"| {s} | " + " | ".join(fmt(k, r["eval"].get(k)) for k in keys) + f" | {wall} |")
     for name, pick in (("worst", worst), ("median", lambda k, v: statistics.median(v)), ("best", best)):
         print(f"| {name} | " + " | ".join(fmt(k, pick(k, [r["eval"][k] for r in done.values() if k in r["eval"]]))

@@ -12,7 +12,7 @@ from conftest import ROOT
 def fake_run(out, seed, eval_record, iters=6500):
     os.makedirs(out / f"seed{seed}")
     with open(out / f"seed{seed}" / "log.jsonl", "w") as f:
-        f.write(json.dumps({"iter": 100, "loss": {"passkey": 1.0}}) + "\n")
+        f.write(json.dumps({"iter": 100, "loss": {"passkey": 1.0}, "minutes": 0.5 * seed}) + "\n")
         f.write(json.dumps({"iter": 500, "eval": {"passkey@4": 0.1}}) + "\n")     # an earlier evaluation: not read
         f.write(json.dumps({"iter": iters, "eval": eval_record}) + "\n")
 
@@ -32,8 +32,8 @@ def test_table_of_final_evaluations(tmp_path, monkeypatch, capsys):
     run_seeds(["--seeds=1-4", f"--out={out}", "--table_only=True"], monkeypatch)
     text = capsys.readouterr().out
     assert "3 of 4 seeds (1 thread(s) each); final evaluation at iteration 6500" in text
-    assert "| seed | passkey@4 | ppl_ratio@4 | passkey@16 | wall |" in text      # no-context columns left out
-    assert "| 2 | 96.0% | 1.0100 | 95.0% |  |" in text
+    assert "| seed | passkey@4 | ppl_ratio@4 | passkey@16 | wall (training) |" in text   # no-context columns left out
+    assert "| 2 | 96.0% | 1.0100 | 95.0% | (1.0 min) |" in text
     assert "| worst | 90.0% | 1.0100 | 80.0% | |" in text                        # lowest passkey, highest ratio
     assert "| median | 93.0% | 0.9900 | 85.0% | |" in text
     assert "| best | 96.0% | 0.9800 | 95.0% | |" in text
