@@ -496,8 +496,7 @@ class SharedLLM(nn.Module):
             q = retrieval_vector(self.upper, idx, last[:, None])[:, 0].repeat_interleave(n, dim=0)   # (B*n, dim)
             # RoPE is relative: a span inside a row sees the same scores as on its own when the row's keys are rotated
             # once at their row positions, so one rotation serves every span the search compares
-            k, v = (t.view(R, C, *t.shape[1:]).transpose(1, 2) for t in first_kv)                  # (B*n, Hkv, C, hd)
-            rows_kv = (apply_rope(k, *low.rope(torch.arange(C, device=rows.device))), v)
+            rows_kv = sequence_kv(low, *(t.view(R, C, *t.shape[1:]) for t in first_kv))            # (B*n, Hkv, C, hd)
 
         def decide(level, lefts, rights):   # lefts, rights: per tree, its children's (start, end) -> expand right?
             ends = to_device([[l_end - 1, r_end - 1] for (_, l_end), (_, r_end) in zip(lefts, rights)], rows.device)
@@ -515,7 +514,7 @@ class SharedLLM(nn.Module):
         #   model together, right-padded by repeating their last token: attention is causal, so no real position
         #   reads the padding; about ENCODE_TOKENS tokens per call, so that memory stays bounded at any length;
         # - with the query policy, the first layer's K/V are taken from first_kv: before RoPE they depend on the
-        #   token alone, so only K's rotation (to the node's own positions) is redone (spans_first_kv);
+        #   token alone, so only K's rotation (to the node's own positions) is redone (sequence_kv);
         # - the last lower block projects only the kept tokens' K/V: nothing reads its output (lower_kv);
         # - the calls come out level by level; `order` puts the kept KVs back in text order.
         # rows: (B*n, C); nodes: per row, its preserved tree.Nodes; first_kv: see compress
@@ -531,7 +530,7 @@ class SharedLLM(nn.Module):
             for sel in (at_level[i:i + per_call] for i in range(0, len(at_level), per_call)):
                 tokens, at = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
                 kept_at = to_device([tree.keep_index(len(nd), nd.kept, cfg.keep) for _, nd in sel], rows.device)
-                kv0 = None if first_kv is None else spans_first_kv(low, first_kv, at)
+                kv0 = None if first_kv is None else sequence_kv(low, *(t[at] for t in first_kv))   # the spans' own
                 for j, kv in enumerate(lower_kv(low, tokens, cfg.n_lower, kept_at, kv0)):   # (R, Hkv, n_kept, hd)
                     for out, t in zip(calls[j], kv):
                         out.append(t.transpose(1, 2).flatten(0, 1))
@@ -620,17 +619,17 @@ def lower_kv(llama, tokens, n_layers, kept_at, kv0=None):
 def first_layer_kv(llama, tokens):
     # The first layer's K (before RoPE) and V of every token of tokens (...): (..., Hkv, hd) each. The first layer reads
     # the embedding, so these depend on the token alone; only K's rotation depends on where a sequence starts. The
-    # query policy computes them once for all context tokens; the encoding then reuses them (spans_first_kv).
+    # query policy computes them once for all context tokens; the encoding then reuses them (sequence_kv).
     att = llama.layers[0].attention
     x = llama.layers[0].attention_norm(llama.tok_embeddings(tokens))
     return [w(x).unflatten(-1, (att.n_kv_heads, att.head_dim)) for w in (att.wk, att.wv)]
 
 
-def spans_first_kv(llama, first_kv, at):
-    # the first layer's K, rotated to positions 0..L-1, and V of the spans laid out as `at` (R, L) by gather_spans,
-    # taken from first_kv (B*n*C, Hkv, hd): (R, Hkv, L, hd) each. Nothing is projected again.
-    k, v = (t[at].transpose(1, 2) for t in first_kv)
-    return apply_rope(k, *llama.rope(torch.arange(at.shape[1], device=at.device))), v
+def sequence_kv(llama, k, v):
+    # the first layer's K (not yet rotated) and V of R token sequences, (R, L, Hkv, hd) each, as attention reads them
+    # when each sequence starts at position 0: (R, Hkv, L, hd) each, K rotated to 0..L-1. Nothing is projected again.
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return apply_rope(k, *llama.rope(torch.arange(k.shape[2], device=k.device))), v
 
 
 def retrieval_vector(llama, tokens, ends, starts=None, kv=None):
@@ -643,8 +642,7 @@ def retrieval_vector(llama, tokens, ends, starts=None, kv=None):
     R, n_spans = ends.shape
     layer, att = llama.layers[0], llama.layers[0].attention
     if kv is None:
-        k, v = (t.transpose(1, 2) for t in first_layer_kv(llama, tokens))                   # (R, Hkv, L, hd)
-        kv = apply_rope(k, *llama.rope(torch.arange(tokens.shape[1], device=tokens.device))), v
+        kv = sequence_kv(llama, *first_layer_kv(llama, tokens))                           # (R, Hkv, L, hd)
     k, v = kv
     x = llama.tok_embeddings(tokens.gather(1, ends))                                        # (R, n_spans, dim)
     cos, sin = llama.rope(ends)                                                          # (R, n_spans, hd)
