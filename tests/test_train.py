@@ -399,3 +399,20 @@ def test_gpu_recipes_memory_estimate_counts_what_is_allocated(recipe, shape, tra
     assert est["weights"] == round(((n_all - trainable) * 2 + trainable * 4) / 2**30, 1)
     assert est["grads"] == round(trainable * 4 / 2**30, 1) and est["adam"] == round(trainable * 8 / 2**30, 1)
     assert est["total"] < 80, out
+
+
+def test_final_eval_reads_more_haystacks_but_the_same_text_windows(tmp_path):
+    # the last evaluation draws final_eval_iters passkey batches per length and, like every other evaluation, eval_iters
+    # language-modeling batches: the ratio is paired, so more windows would only cost time (docs/experiments.md)
+    import train
+    kinds = []
+    def counting(kind, *a, **kw):
+        if a[-1] in ("val", None):                       # an evaluation's batch (training draws from "train")
+            kinds.append(kind)
+        return get_batch(kind, *a, **kw)
+    get_batch = data.get_batch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(data, "get_batch", counting)
+        train_in_process(MICRO + ["--task=mixed", "--lm_from=0", "--max_iters=2", "--eval_interval=100",
+                                  "--eval_iters=2", "--final_eval_iters=5", f"--out_dir={tmp_path}"], tmp_path)
+    assert kinds.count("passkey") == 5 and kinds.count("lm") == 2
