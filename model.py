@@ -371,8 +371,9 @@ class SharedConfig:
                               # language modeling, goes right) or "right" (always the most recent half: the paper's LM)
     noise: float = 0.0        # the split noise: eps ~ N(0, sigma^2) in training with sigma = l / noise (l: the node's
                               # length; the paper's table: l/5 LM, l/10 SFT), so LARGER means LESS noise; 0 = exact halves
-    chunk_ids: str = "clamp"  # chunk-level position ids in cross-attention (Eq. 2): "plain" (the paper: keys of chunk i
-                              # at i, queries at n), "off" (the ablation), or "clamp" / "random" (below)
+    chunk_ids: str = "random" # chunk-level position ids in cross-attention (Eq. 2): "plain" (the paper: keys of chunk i
+                              # at i, queries at n), "off" (the ablation), or "clamp" / "random" (below; random is
+                              # plain at inference)
     # --- beyond the paper (see "Options beyond the paper" at the end of this file) ---
     max_chunk_dist: int = 4   # "clamp": plain ids for the max_chunk_dist most recent chunks, every older chunk at that
                               # largest distance; logn_scale: the trained n (train.py: its n_chunks)
