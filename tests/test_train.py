@@ -150,7 +150,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, capsys):
     train_in_process(common + [f"--out_dir={part}", "--stop_iter=3"], tmp_path)
     assert torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)["iter_num"] == 3
     # a SharedLLM setting other than the checkpoint's is refused, not silently replaced by the checkpoint's
-    with pytest.raises(SystemExit, match=re.escape("was trained with chunk_ids='clamp', logn_scale=False but this run "
+    with pytest.raises(SystemExit, match=re.escape("was trained with chunk_ids='random', logn_scale=False but this run "
                                                    "sets chunk_ids='off', logn_scale=True")):
         train_in_process(common + [f"--out_dir={part}", "--init_from=resume", "--chunk_ids=off", "--logn_scale=True"],
                          tmp_path)
