@@ -551,7 +551,7 @@ def evaluate(raw, tok, splits, counts, lm_eval_counts, iters, iter_num, dev, aut
         # windows drawn once for the largest chunk count; a shorter context is the most recent n chunks of the same
         # window, so every length scores the very same X_D tokens and the ratios compare context alone
         # (eval_iters batches, also at the end: the ratio is paired, the same tokens with and without the context, so
-        # 128 windows read it as 512 do, to 0.0006 on the default checkpoint; docs/experiments.md)
+        # 128 windows read it as 512 do, to 0.0006 on a 6,500-iteration checkpoint; docs/experiments.md)
         lrng = random.Random(1000)
         lm_batches = [[t.to(dev) for t in data.get_batch("lm", batch_size, lrng, tok, splits, max(lm_counts), chunk_size,
                                                           block_size, "val")] for _ in range(eval_iters)]
