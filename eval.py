@@ -39,6 +39,8 @@ score_last = 0              # K: scored tokens at the end of X_D; 0 = the paper'
 max_windows = 64            # ppl windows, spread evenly over the validation documents
 full = False                # also score the unchanged base model with full attention over X_C + X_D (the ceiling of a
                             # pretrained model; passkey: only within its window)
+window = -1                 # W: also score the unchanged base model over the last W tokens only (what a user does with a
+                            # document longer than the model's window: cut it); -1 = its trained window; 0 = no such row
 full_budget_s = 300.0       # ppl: skip full attention at lengths predicted to take longer than this (it is quadratic)
 data_dir = ""               # a folder of .txt (validation split); "" = the checkpoint's own data_dir (the stdlib's .py)
 depths = "0,0.25,0.5,0.75,1"    # passkey depths: 0 = key at the start of the context, 1 = at its end
@@ -87,16 +89,17 @@ def window_tokens(tokens, p, n, C, T, K):
 
 
 @torch.no_grad()
-def score_ppl(model, split, windows, n, C, T, K, context, batch_size, dev):
+def score_ppl(model, split, windows, n, C, T, K, context, batch_size, dev, window=0):
     # -> (perplexity, scored tokens): mean over windows of the mean NLL of the last K tokens of X_D.
-    # context: "compressed" (SharedLLM), "none" (the upper model on X_D alone) or "full" (model.upper, the base LLaMA, with
-    # plain causal attention over X_C + X_D as one sequence: the ceiling while that fits the base model's window)
+    # context: "compressed" (SharedLLM), "none" (the upper model on X_D alone), "full" (model.upper, the base LLaMA, with
+    # plain causal attention over X_C + X_D as one sequence: the ceiling while that fits the base model's window) or
+    # "window" (model.upper the same way over the last `window` tokens only: the text cut to the model's window)
     losses, scored = [], 0
     for i in range(0, len(windows), batch_size):
         w = torch.stack([window_tokens(split[0], p, n, C, T, K) for _, p in windows[i:i + batch_size]]).to(dev)
         tgt = w[:, -K:]                                                # (B, K): the scored tokens [p+1, p+K+1)
-        if context == "full":
-            logits, _ = model.upper(w[:, :-1], last=K)
+        if context in ("full", "window"):                              # (B, n*C + T) or its last min(W, n*C + T)
+            logits, _ = model.upper(w[:, :-1] if context == "full" else w[:, -1 - window:-1], last=K)
         else:
             ctx = w[:, : n * C].view(len(w), n, C) if context == "compressed" and n > 0 else None
             logits, _ = model(ctx, w[:, n * C:-1])                     # X_D: (B, T)
@@ -106,61 +109,114 @@ def score_ppl(model, split, windows, n, C, T, K, context, batch_size, dev):
     return math.exp(sum(losses) / len(losses)), scored
 
 
-def run_ppl(model, splits, ns, C, T, K, g, dev, full_model=None):
-    # full_model: what runs full attention, if asked for (.upper: the unchanged base model; .label: which that is)
+def gflops(cfg, tokens, scored, lower_tokens=0, m=0, kv=0):
+    # Forward FLOPs of one window (an estimate, in GFLOP): 2 x weights x tokens through the blocks, causal attention
+    # (QK^T and AV over half the square: 2 x tokens^2 x dim per layer) and the logits of the scored positions. SharedLLM
+    # adds its lower model (m blocks over lower_tokens: a context tree's nodes hold C tokens in all, so n*C) and m
+    # cross-attentions (their query and output projections, QK^T and AV over kv keys).
+    weights = 2 * cfg.dim * cfg.head_dim * (cfg.n_heads + cfg.n_kv_heads) + 3 * cfg.dim * cfg.hidden_dim   # per block
+    f = (2 * weights + 2 * cfg.dim * tokens) * cfg.n_layers * tokens + 2 * cfg.dim * cfg.vocab_size * scored
+    f += 2 * weights * m * lower_tokens + 4 * m * cfg.dim * (cfg.dim + kv) * tokens
+    return f / 1e9
+
+
+def timed_ppl(model, split, windows, n, C, T, K, context, g, dev, window=0):
+    # score_ppl, and the seconds it took per window
+    t0 = time.time()
+    ppl, scored = score_ppl(model, split, windows, n, C, T, K, context, g["batch_size"], dev, window)
+    return ppl, scored, (time.time() - t0) / len(windows)
+
+
+def run_ppl(model, splits, ns, C, T, K, g, dev, base=None):
+    # Per chunk count, four rows over the very same scored tokens, each with its cost per window: none (the upper model
+    # on X_D alone), SharedLLM (X_D and the compressed X_C), window (base, the unchanged base model, over the last W
+    # tokens only: what a user does without SharedLLM) and full (base over X_C + X_D, when --full). W = g["window"].
     windows = ppl_windows(splits["val"], max(ns), C, T, K, g["max_windows"])
-    window = model.upper.cfg.max_seq_len
-    print(f"ppl protocol: {len(windows)} windows from the validation documents (placed for {max(ns)} chunks, so "
-          f"every row scores the same tokens); X_D = T = {T} tokens, the last K = {K} scored per window" + (
-          f"; 'full' = {full_model.label} with plain attention over X_C + X_D (its window: {window:,} tokens)"
-          if full_model else ""))
-    print(f"{'chunks':>7} {'context tok':>11} {'windows':>7} {'scored tok':>10} {'ppl with':>9} {'ppl without':>11} "
-          f"{'ratio':>6} {'ppl full':>9} {'gap closed':>10}")
-    res, base, last_full = [], None, None
+    cfg, W, M = model.upper.cfg, g["window"], model.scfg.n_lower
+    print(f"ppl protocol: {len(windows)} windows from the validation documents (placed for {max(ns)} chunks, so every "
+          f"row scores the same tokens); X_D = T = {T} tokens, the last K = {K} scored per window. Rows: 'none' = the "
+          f"upper model on X_D alone, 'SharedLLM' = X_D with the compressed X_C" + (
+          f", 'window' = {base.label} over the last W = {W:,} tokens" if W else "") + (
+          f", 'full' = it over X_C + X_D (its window: {cfg.max_seq_len:,} tokens)" if g["full"] else ""))
+    print(f"{'chunks':>6} {'context tok':>11}  {'row':<9} {'ppl':>9} {'vs none':>7} {'s/window':>8} {'GFLOP/window':>12}")
+    res, none, last_full = [], None, None
     for n in ns:
-        t0 = time.time()
-        with_c, scored = score_ppl(model, splits["val"], windows, n, C, T, K, "compressed", g["batch_size"], dev)
-        if base is None:   # without the context the upper model sees the same X_D: one number for every row
-            base, _ = score_ppl(model, splits["val"], windows, n, C, T, K, "none", g["batch_size"], dev)
-        full, note = None, ""
-        if full_model:   # attention is quadratic: predict this row's time from the last one before running it
-            guess = last_full[1] * ((n * C + T) / (last_full[0] * C + T)) ** 2 if last_full else 0
-            if guess > g["full_budget_s"]:
-                note = f"full attention skipped: ~{guess:.0f} s > --full_budget_s={g['full_budget_s']:g}"
-            else:
-                t1 = time.time()
-                full, _ = score_ppl(full_model, splits["val"], windows, n, C, T, K, "full", g["batch_size"], dev)
-                last_full = (n, time.time() - t1)
-                note = "beyond the base window" if n * C + T > window else ""
-        closed = (math.log(base) - math.log(with_c)) / (math.log(base) - math.log(full)) if full and full < base else None
-        print(f"{n:7d} {n * C:11,d} {len(windows):7d} {scored:10,d} {with_c:9.4f} {base:11.4f} {with_c / base:6.3f} "
-              f"{f'{full:9.4f}' if full else '-':>9} {f'{100 * closed:9.0f}%' if closed is not None else '-':>10}"
-              f"   ({time.time() - t0:.1f} s) {note}", flush=True)
-        res.append(dict(n_chunks=n, context_tokens=n * C, with_context=with_c, without_context=base,
-                        ratio=with_c / base, full_attention=full, gap_closed=closed, note=note or None,
+        rows = {}   # name -> (perplexity, seconds per window, GFLOP per window, note)
+        shared, scored, s = timed_ppl(model, splits["val"], windows, n, C, T, K, "compressed", g, dev)
+        rows["SharedLLM"] = (shared, s, gflops(cfg, T, K, n * C, M, n * (C // model.scfg.beta)), "")
+        if none is None:   # without the context the upper model sees the same X_D: one number for every row
+            ppl, _, s = timed_ppl(model, splits["val"], windows, n, C, T, K, "none", g, dev)
+            none = (ppl, s, gflops(cfg, T, K), "")
+        rows["none"] = none
+        if W:
+            ppl, _, s = timed_ppl(base, splits["val"], windows, n, C, T, K, "window", g, dev, W)
+            rows["window"] = (ppl, s, gflops(cfg, min(W, n * C + T), K), "the whole context fits" if W >= n * C + T else "")
+        if g["full"]:
+            rows["full"], last_full = full_row(base, splits, windows, n, C, T, K, g, dev, rows, last_full)
+        closed = None
+        if "full" in rows and rows["full"][0] and rows["full"][0] < none[0]:
+            closed = (math.log(none[0]) - math.log(shared)) / (math.log(none[0]) - math.log(rows["full"][0]))
+            rows["SharedLLM"] = rows["SharedLLM"][:3] + (f"closes {100 * closed:.0f}% of the gap to full attention",)
+        for name in ("none", "SharedLLM", "window", "full"):
+            if name in rows:
+                ppl, s, gf, note = rows[name]
+                print(f"{n:6d} {n * C:11,d}  {name:<9} " + (f"{ppl:9.4f} {ppl / none[0]:7.3f}" if ppl else f"{'-':>9} {'-':>7}")
+                      + f" {s:8.2f} {gf:12,.1f}  {note}", flush=True)
+        full = rows.get("full", (None,) * 4)
+        res.append(dict(n_chunks=n, context_tokens=n * C, with_context=shared, without_context=none[0],
+                        ratio=shared / none[0], full_attention=full[0], gap_closed=closed, note=full[3] or None,
+                        window_attention=rows.get("window", (None,))[0], window_tokens=W or None,
+                        cost={k: dict(s_per_window=v[1], gflop_per_window=v[2]) for k, v in rows.items() if v[0]},
                         windows=len(windows), scored_tokens=scored, x_d_tokens=T, scored_per_window=K))
     return res
 
 
+def full_row(base, splits, windows, n, C, T, K, g, dev, rows, last_full):
+    # the full-attention row, -> ((ppl or None, s/window, GFLOP/window, note), (n, s/window) of the last one run).
+    # The window row already is full attention when the whole context fits in it; attention is quadratic, so a row is
+    # skipped when the last one run predicts more than --full_budget_s.
+    L, W = n * C + T, g["window"]
+    flops = gflops(base.upper.cfg, L, K)
+    if W >= L:
+        return rows["window"][:3] + ("= window: the whole context fits",), last_full
+    guess = last_full[1] * len(windows) * (L / (last_full[0] * C + T)) ** 2 if last_full else 0
+    if guess > g["full_budget_s"]:
+        return (None, 0.0, flops, f"skipped: ~{guess:.0f} s > --full_budget_s={g['full_budget_s']:g}"), last_full
+    ppl, _, s = timed_ppl(base, splits["val"], windows, n, C, T, K, "full", g, dev)
+    note = "beyond the base model's window" if L > base.upper.cfg.max_seq_len else ""
+    return (ppl, s, flops, note), (n, s)
+
+
 @torch.no_grad()
-def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, dev, full=False):
+def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, dev, full=False, window=0):
     # exact match over `samples` haystacks, each key at a depth drawn uniformly from [depth - band/2, depth + band/2]
     # (within 0..1): a single fixed position would test one alignment of the key with the stride windows only.
     # A fixed seed per cell, so every setting sees the same keys and positions. full: the base model reads the
-    # haystack and the question as one sequence instead.
+    # haystack and the question as one sequence instead; window: only their last `window` tokens, and a haystack whose
+    # key lies wholly before those is a miss without a forward (nothing in the window holds it). -> (accuracy, forwards)
     rng = random.Random(f"{seed}-{n}-{depth}")
     lo, hi = max(0.0, depth - band / 2), min(1.0, depth + band / 2)
-    hits = 0
+    hits, ran = 0, 0
     for i in range(0, samples, batch_size):
         b = [data.passkey_sample(tok, rng, n, C, depth=rng.uniform(lo, hi)) for _ in range(min(batch_size, samples - i))]
         ctx, idx, tgt, ql = (t.to(dev) for t in data.collate(b, tok))
-        if full:
-            logits, _ = model.upper(torch.cat([ctx.flatten(1), idx], 1), last=idx.shape[1])
+        if full or window:
+            seq = torch.cat([ctx.flatten(1), idx], 1)[:, -window:]     # (B, n*C + T), or its last W tokens
+            keep = [key_in(row[:-idx.shape[1]].tolist(), t[t != -100].tolist()) for row, t in zip(seq, tgt)]
+            seq, idx, tgt = seq[keep], idx[keep], tgt[keep]
+            if not len(seq):
+                continue
+            logits, _ = model.upper(seq, last=idx.shape[1])
         else:
             logits, _ = model(ctx, idx, query_len=ql)
         scored = tgt != -100
         hits += ((logits.argmax(-1) == tgt) | ~scored).all(-1).sum().item()
-    return hits / samples
+        ran += len(tgt)
+    return hits / samples, ran
+
+
+def key_in(tokens, key):   # does the list `tokens` hold `key` (the answer's token ids) as a contiguous run?
+    return any(tokens[i:i + len(key)] == key for i in range(len(tokens) - len(key) + 1))
 
 
 def band(g, ds):
@@ -181,28 +237,53 @@ def heatmap(grid, ns, ds, C):
     return "\n".join(lines)
 
 
-def run_passkey(model, tok, ns, C, g, dev, quiet=False, full_model=None):
-    ds = [float(x) for x in g["depths"].split(",")]
-    window, question = model.upper.cfg.max_seq_len, sum(map(len, data.passkey_question(tok, 99999))) + 4
-    grid, full, res = {}, {}, []
+def run_passkey(model, tok, ns, C, g, dev, base=None):
+    # the passkey grid of SharedLLM and, from the unchanged base model (base), its window row (the last W tokens) and
+    # full attention (within its window), each with its cost per haystack
+    ds, W, cfg = [float(x) for x in g["depths"].split(",")], g["window"], model.upper.cfg
+    question = sum(map(len, data.passkey_question(tok, 99999))) + 4
+    grids, res, cost = {"SharedLLM": {}, "window": {}, "full": {}}, [], {}
     for n in ns:
+        rows = {"SharedLLM": dict(model=model)}
+        if W:
+            rows["window"] = dict(model=base, window=W)
+        if g["full"] and n * C + question <= cfg.max_seq_len:
+            rows["full"] = dict(model=base, full=True)
+        for name, how in rows.items():
+            if name == "full" and W >= n * C + question:   # the window row already read every token: the same forward
+                grids["full"].update({(n, d): grids["window"][n, d] for d in ds})
+                cost[n, "full"] = cost[n, "window"]
+                continue
+            t0, ran = time.time(), 0
+            for d in ds:
+                grids[name][n, d], r = passkey_accuracy(how["model"], tok, n, C, d, band(g, ds), g["samples"],
+                                                        g["batch_size"], g["seed"], dev, how.get("full", False),
+                                                        how.get("window", 0))
+                ran += r
+            L = question if name == "SharedLLM" else min(n * C + question, W if name == "window" else n * C + question)
+            kv = n * (C // model.scfg.beta) if name == "SharedLLM" else 0
+            gf = gflops(cfg, L, 5, n * C if name == "SharedLLM" else 0, model.scfg.n_lower if kv else 0, kv)
+            cost[n, name] = dict(s_per_haystack=(time.time() - t0) / max(ran, 1), gflop_per_haystack=gf, forwards=ran)
         for d in ds:
-            grid[n, d] = passkey_accuracy(model, tok, n, C, d, band(g, ds), g["samples"], g["batch_size"], g["seed"], dev)
-            r = dict(n_chunks=n, context_tokens=n * C, depth=d, depth_band=band(g, ds), accuracy=grid[n, d],
-                     samples=g["samples"])
-            if full_model and n * C + question <= window:
-                r["full_attention"] = full[n, d] = passkey_accuracy(full_model, tok, n, C, d, band(g, ds), g["samples"],
-                                                                    g["batch_size"], g["seed"], dev, full=True)
-            res.append(r)
-    if not quiet:
-        print(f"passkey: {g['samples']} haystacks per cell, exact match of all 5 digits (= greedy decoding); "
-              f"key at depth d +- {band(g, ds) / 2:g} (uniform) of n chunks x C = {C} tokens")
-        print(heatmap(grid, ns, ds, C))
-        if full:
-            inside = [n for n in ns if (n, ds[0]) in full]
-            print(f"full attention by {full_model.label} over the same haystacks (within its window of {window:,} tokens):")
-            print(heatmap(full, inside, ds, C))
-        plots.passkey_heatmap((g["out"] or "passkey.json").rsplit(".", 1)[0] + ".png", grid, ns, ds, C)
+            res.append(dict(n_chunks=n, context_tokens=n * C, depth=d, depth_band=band(g, ds), samples=g["samples"],
+                            accuracy=grids["SharedLLM"][n, d], window_attention=grids["window"].get((n, d)),
+                            window_tokens=W or None, full_attention=grids["full"].get((n, d)),
+                            cost={k: v for (m, k), v in cost.items() if m == n}))
+    print(f"passkey: {g['samples']} haystacks per cell, exact match of all 5 digits (= greedy decoding); "
+          f"key at depth d +- {band(g, ds) / 2:g} (uniform) of n chunks x C = {C} tokens")
+    print(heatmap(grids["SharedLLM"], ns, ds, C))
+    if W:
+        print(f"window: {base.label} over the last W = {W:,} tokens of the same haystacks and question (a key wholly "
+              f"before them is a miss without a forward):")
+        print(heatmap(grids["window"], ns, ds, C))
+    if grids["full"]:
+        inside = [n for n in ns if (n, ds[0]) in grids["full"]]
+        print(f"full attention by {base.label} over the same haystacks (within its window of {cfg.max_seq_len:,} tokens):")
+        print(heatmap(grids["full"], inside, ds, C))
+    print("cost per haystack run (seconds / estimated GFLOP): " + "; ".join(
+        f"{n * C:,} tokens: " + ", ".join(f"{k} {v['s_per_haystack']:.2f} s / {v['gflop_per_haystack']:,.1f}"
+                                          for (m, k), v in cost.items() if m == n) for n in ns))
+    plots.passkey_heatmap((g["out"] or "passkey.json").rsplit(".", 1)[0] + ".png", grids["SharedLLM"], ns, ds, C)
     return res
 
 
@@ -255,7 +336,7 @@ def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
             r = dict(n_chunks=n, context_tokens=n * C)
             if pk:
                 r["passkey"] = sum(passkey_accuracy(m, tok, n, C, d, band(g, ds), g["samples"], g["batch_size"],
-                                                    g["seed"], dev) for d in ds) / len(ds)
+                                                    g["seed"], dev)[0] for d in ds) / len(ds)
             if lm:
                 r["with_context"], _ = score_ppl(m, splits["val"], windows, n, C, T, K, "compressed", g["batch_size"], dev)
                 r["without_context"] = base
@@ -271,7 +352,7 @@ def main(g):
     dev, dt = auto_device(g["device"], g["dtype"])
     inf = float("inf")
     check_ranges(g, dict(samples=(1, inf), batch_size=(1, inf), block_size=(0, inf), max_windows=(1, inf),
-                         score_last=(0, inf)))
+                         score_last=(0, inf), window=(-1, inf)))
     if g["depth_band"] != -1 and not 0 <= g["depth_band"] <= 1:
         raise SystemExit(f"eval.py: --depth_band={g['depth_band']}: expected -1 (the grid's spacing) or a value in [0, 1]")
     try:
@@ -313,6 +394,12 @@ def main(g):
     K = g["score_last"] or min(256, T // 2)
     if not 1 <= K <= T:
         raise SystemExit(f"eval.py: --score_last={K}: expected 1..T={T}")
+    if g["window"] == -1:
+        g["window"] = model.upper.cfg.max_seq_len
+    if g["task"] != "ablations" and g["window"] and g["window"] < (K if g["task"] == "ppl" else 64):
+        raise SystemExit(f"eval.py: --window={g['window']}: expected -1 (the base model's window, "
+                         f"{model.upper.cfg.max_seq_len:,}), 0 (no window row) or at least "
+                         + (f"K = {K} (the scored tokens)" if g["task"] == "ppl" else "64 (the passkey question)"))
     print(f"model {g['init_from']}: {model.upper.cfg.n_layers} layers, dim {model.upper.cfg.dim}; {model.scfg}")
     print(f"device {dev}, {dt}; chunk counts {ns} (trained on {n_train})")
     t0 = time.time()
@@ -326,14 +413,14 @@ def main(g):
                 print(f"chunk counts {[n for n in ns if n not in fit]} left out: the longest validation document has "
                       f"{longest:,} tokens (a window needs n x {C} + T={T} + 1)")
             ns = fit or ns   # none fits: the error below names the longest document
-        full_model = None
-        if g["full"]:   # full attention is the unchanged base model's, whatever trained
+        base = None
+        if g["task"] != "ablations" and (g["full"] or g["window"]):   # the unchanged base model's, whatever trained
             upper, label = base_model(model, train_cfg, dev, getattr(torch, dt))
-            full_model = types.SimpleNamespace(upper=upper, label=label)
+            base = types.SimpleNamespace(upper=upper, label=label)
         if g["task"] == "ppl":
-            res = run_ppl(model, splits, ns, C, T, K, g, dev, full_model)
+            res = run_ppl(model, splits, ns, C, T, K, g, dev, base)
         elif g["task"] == "passkey":
-            res = run_passkey(model, tok, ns, C, g, dev, full_model=full_model)
+            res = run_passkey(model, tok, ns, C, g, dev, base=base)
         else:
             res = run_ablations(model, tok, splits, ns, C, T, K, g, dev, train_cfg.get("task", ""))
     except (ValueError, FileNotFoundError) as e:
@@ -342,7 +429,7 @@ def main(g):
     if g["out"]:
         with open(g["out"], "w") as f:
             json.dump(dict(task=g["task"], config={**g, "shared": model.scfg.__dict__, "T": T, "K": K, "device": dev,
-                                                   "full_attention_model": full_model and full_model.label},
+                                                   "base_model": base and base.label},
                            results=res), f, indent=1)
         print(f"wrote {g['out']}")
     return res

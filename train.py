@@ -73,6 +73,8 @@ final_eval_iters = 32       # ... and at the end: 512 passkey samples, so a rate
                             # (language modeling reads eval_iters batches at every eval, the last one too)
 eval_chunks = "4,16"        # chunk counts evaluated every eval_interval
 final_eval_chunks = "4,16,64,256"   # ... and at the end (32K-token contexts: 64x the training length); "" = eval_chunks
+pad_passkeys = True         # pad passkey batches to block_size after the answer (not scored); False: as long as their
+                            # question and key (a real model's upper pass over T = 256 costs 10x the key's ~16 tokens)
 passkey_frac = 0.67         # share of passkey batches in "mixed" (each batch is one kind: the passkey's 5 scored
                             # tokens are not drowned by a language-modeling sample's T scored tokens)
 lm_from = 1500              # in "mixed", language-modeling batches join at this iteration (passkey alone first:
@@ -390,7 +392,8 @@ def next_batch(rng, iter_num, tok, splits, n, dev):
     kind = task
     if task == "mixed":
         kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"   # one kind per batch
-    ctx, idx, tgt, ql = data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size, block_size)
+    T = block_size if kind == "lm" or pad_passkeys else None
+    ctx, idx, tgt, ql = data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size, T)
     ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)   # query lengths stay on the host: the tree reads them
     if kind == "lm" and context_dropout > 0 and rng.random() < context_dropout:
         ctx = None

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import types
 
 import numpy as np
 import pytest
@@ -85,6 +86,55 @@ def test_full_attention_row_scores_the_same_tokens_with_the_whole_window(micro_c
         logits, _ = model.upper(w[:, :-1])
         nll.append(torch.nn.functional.cross_entropy(logits[0, -K:], w[0, -K:]).item())
     assert abs(np.log(ppl) - np.mean(nll)) < 1e-6
+
+
+def test_window_row_is_the_base_model_on_the_last_w_tokens_and_scores_the_same_tokens(micro_ckpt):
+    # what a user does without SharedLLM: cut the text to the model's window. The row scores the very targets the other
+    # rows score, and equals a plain forward over only the last W tokens; a window holding everything equals full.
+    model, _, _ = load_sharedllm(str(micro_ckpt))
+    split = (np.random.default_rng(2).integers(0, 258, 3000), np.array([0, 3000]))
+    n, C, T, K, W = 2, 32, 48, 10, 40
+    wins = E.ppl_windows(split, n, C, T, K, max_windows=3)
+    ppl, scored = E.score_ppl(model, split, wins, n, C, T, K, "window", 2, "cpu", window=W)
+    assert scored == E.score_ppl(model, split, wins, n, C, T, K, "compressed", 2, "cpu")[1] == 3 * K
+    nll = []
+    for _, p in wins:   # by hand: the plain model over tokens [p+K-W, p+K), the targets [p+1, p+K+1)
+        w = torch.from_numpy(split[0][p + K - W: p + K + 1].astype(np.int64))[None]
+        assert torch.equal(w[0, -K:], E.window_tokens(split[0], p, n, C, T, K)[-K:])   # the same scored targets
+        logits, _ = model.upper(w[:, :-1])
+        nll.append(torch.nn.functional.cross_entropy(logits[0, -K:], w[0, -K:]).item())
+    assert abs(np.log(ppl) - np.mean(nll)) < 1e-6
+    full, _ = E.score_ppl(model, split, wins, n, C, T, K, "full", 2, "cpu")
+    assert E.score_ppl(model, split, wins, n, C, T, K, "window", 2, "cpu", window=n * C + T)[0] == full
+    assert abs(ppl / full - 1) > 1e-3   # and a shorter window is something else
+
+
+def test_eval_prints_every_row_with_its_cost_and_refuses_a_window_shorter_than_k(micro_ckpt, tmp_path, monkeypatch,
+                                                                                capsys):
+    common = [f"--init_from={micro_ckpt}", f"--data_dir={micro_ckpt / 'docs'}", "--chunks=1,2", "--max_windows=2",
+              "--block_size=32", "--device=cpu"]
+    res = E.main(parse_overrides(common + ["--task=ppl", "--window=70", "--full=True"], config_of(vars(E)), E.__file__))
+    out = capsys.readouterr().out
+    for row in ("none", "SharedLLM", "window", "full"):
+        assert all(row in r["cost"] and r["cost"][row]["gflop_per_window"] > 0 for r in res), row
+        assert f"  {row} " in out
+    assert res[0]["window_tokens"] == 70 and res[0]["full_attention"] == res[0]["window_attention"]   # 32 + 32 <= 70
+    assert res[1]["full_attention"] != res[1]["window_attention"]                                     # 64 + 32 > 70
+    assert "--window=8: expected -1" in error_of(E, common + ["--task=ppl", "--window=8"], tmp_path, monkeypatch)
+
+
+def test_passkey_window_row_reads_only_keys_inside_its_window():
+    # a model that copies the needle reads every key its input holds: the window row finds exactly the keys that fall
+    # in the last W tokens, and runs no forward for the others
+    from test_passkey import Copier
+    tok = ByteTokenizer()
+    copier = Copier(tok.vocab_size)   # as the base model: what precedes the last `last` tokens is its context
+    base = types.SimpleNamespace(upper=lambda seq, last: copier(seq[:, None, :-last], seq[:, -last:],
+                                                                query_len=torch.ones(len(seq), dtype=torch.long)))
+    n, C, W = 8, 64, 300
+    for depth, want in ((0.0, 0.0), (1.0, 1.0)):   # the key at the start of 512 tokens: outside; at the end: inside
+        acc, ran = E.passkey_accuracy(base, tok, n, C, depth, 0.0, 4, 2, 0, "cpu", window=W)
+        assert (acc, ran) == (want, 4 * int(want))
 
 
 def test_ppl_scores_the_last_k_tokens_of_each_window(monkeypatch):
