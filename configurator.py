@@ -81,6 +81,10 @@ def package_path(path):
         raise SystemExit(f"{path}: no installed Python package {name!r} (see the README for the pip install line)")
     return os.path.join(spec.submodule_search_locations[0], rest)
 
+
+def package_paths(spec):   # several comma-separated sources (data_dir), each through package_path
+    return ",".join(package_path(part) for part in spec.split(","))
+
 # -----------------------------------------------------------------------------
 # device
 

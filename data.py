@@ -3,8 +3,9 @@ Data for train.py, eval.py and sample.py, with no download.
 
 - Long documents for language modeling: by default the Python standard library's own .py files (present on
   every machine with Python; many are 20K-100K tokens, and code is what the paper's CodeParrot column measures),
-  or every .txt file under `data_dir`. Tokenized once and cached as one memory-mapped token file plus document
-  offsets (nanoGPT's prepare.py style); split into train/val by document.
+  or every .txt file under `data_dir`; several sources joined by commas make a mix of domains, sampled evenly.
+  Tokenized once and cached as one memory-mapped token file plus document offsets (nanoGPT's prepare.py style);
+  split into train/val by document.
 - Passkey retrieval (the Landmark / LongLoRA format): a 5-digit random key at a given depth inside the context,
   filler around it, the question at the end of X_D; only the answer tokens are scored.
 
@@ -27,59 +28,105 @@ QUESTION = "What is the pass key? The pass key is "   # then the key, tokenized 
 
 
 def corpus_files(data_dir=""):
-    if data_dir:   # a folder (every .txt below it) or a glob pattern
-        if not glob.has_magic(data_dir) and not os.path.isdir(data_dir):
-            raise FileNotFoundError(f"data_dir={data_dir!r}: " + ("a file; give a folder of .txt files or a glob like "
-                                    "dir/*.txt" if os.path.exists(data_dir) else "no such folder"))
-        pattern = data_dir if glob.has_magic(data_dir) else os.path.join(data_dir, "**", "*.txt")
-        files = sorted(glob.glob(pattern, recursive=True))
-        if not files:
-            raise FileNotFoundError(f"data_dir={data_dir!r} holds no .txt files" if pattern != data_dir else
-                                    f"data_dir={data_dir!r} matches no file")
-        return files
-    return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    # one source -> its files: a folder (every .txt below it), a glob pattern, one file, "stdlib" (or "": the standard
+    # library's .py) or "pydoc" (Python's reference documentation, which every Python ships as pydoc_data/topics.py)
+    if data_dir in ("", "stdlib"):
+        return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    if data_dir == "pydoc":
+        return [os.path.join(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py")]
+    if os.path.isfile(data_dir):
+        return [data_dir]
+    if not glob.has_magic(data_dir) and not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"data_dir={data_dir!r}: no such file or folder")
+    pattern = data_dir if glob.has_magic(data_dir) else os.path.join(data_dir, "**", "*.txt")
+    files = sorted(glob.glob(pattern, recursive=True))
+    if not files:
+        raise FileNotFoundError(f"data_dir={data_dir!r} holds no .txt files" if pattern != data_dir else
+                                f"data_dir={data_dir!r} matches no file")
+    return files
 
 
-def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10):
-    # -> {"train": (tokens, offsets), "val": (...)}; offsets[i]:offsets[i+1] is document i
-    files = corpus_files(data_dir)
-    sig = json.dumps([tok.spec, [(f, os.path.getsize(f)) for f in files]], sort_keys=True)
+def source_texts(source, files):
+    # the documents of one source, as text. pydoc's ~80 topics (460K characters) become 4 documents of at least
+    # 100K characters each (topics in alphabetical order, the rest joining the last), long enough for long contexts.
+    if source != "pydoc":
+        return [open(f, encoding="utf-8", errors="replace").read() for f in files]
+    from pydoc_data.topics import topics
+    docs = [""]
+    for name in sorted(topics):
+        if len(docs[-1]) >= 100_000:
+            docs.append("")
+        docs[-1] += topics[name] + "\n\n"
+    return docs if len(docs) < 2 or len(docs[-1]) >= 100_000 else docs[:-2] + [docs[-2] + docs[-1]]
+
+
+def held_out(i, count, val_every):
+    # every val_every-th document of a source is validation, and a source with fewer documents holds out its last
+    return i % val_every == val_every - 1 or (count < val_every and i == count - 1)
+
+
+def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10, splits=("train", "val")):
+    # -> {"train": (tokens, offsets[, source]), "val": (...)}; offsets[i]:offsets[i+1] is document i; with several
+    # comma-separated sources, source[i] is the source document i came from (lm_sample draws sources evenly)
+    sources = data_dir.split(",") if data_dir else [""]
+    files = [corpus_files(src) for src in sources]
+    sig = json.dumps([tok.spec, [(f, os.path.getsize(f)) for fs in files for f in fs]]
+                     + ([sources] if len(sources) > 1 else []), sort_keys=True)
     key = hashlib.sha1(sig.encode()).hexdigest()[:12]
     dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
     out = {}
-    for split in ("train", "val"):
+    for split in splits:
         path = os.path.join(cache_dir, f"{key}_{split}")
         if not os.path.exists(path + ".offsets.npy"):
-            docs = [tok.encode(open(f, encoding="utf-8", errors="replace").read())   # BOS as the tokenizer has it
-                    for i, f in enumerate(files) if (i % val_every == val_every - 1) == (split == "val")]
-            if not docs:
-                raise ValueError(f"{data_dir or 'the standard library'}: {len(files)} documents leave the {split} split "
-                                 f"empty (every {val_every}th document is held out for validation)")
-            offsets = np.cumsum([0] + [len(d) for d in docs])
-            os.makedirs(cache_dir, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"      # per process: two runs preparing at once never share a file
-            arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=(max(1, int(offsets[-1])),))
-            arr[: offsets[-1]] = np.concatenate(docs) if docs else []
-            arr.flush()
-            os.replace(tmp, path + ".bin")
-            with open(tmp, "wb") as f:
-                np.save(f, offsets)
-            os.replace(tmp, path + ".offsets.npy")   # renamed last: its presence means the cache is complete
-            print(f"prepared {split}: {len(docs)} documents, {offsets[-1]:,} tokens -> {path}.bin")
+            write_split(tok, sources, files, split, path, cache_dir, dtype, val_every, data_dir)
         offsets = np.load(path + ".offsets.npy")
         out[split] = (np.memmap(path + ".bin", dtype=dtype, mode="r"), offsets)
+        if len(sources) > 1:
+            out[split] += (np.load(path + ".source.npy"),)
     return out
+
+
+def write_split(tok, sources, files, split, path, cache_dir, dtype, val_every, data_dir):
+    # tokenize one split's documents (BOS as the tokenizer has it) into path.bin, .offsets.npy (and .source.npy)
+    docs, source = [], []
+    for s, (src, fs) in enumerate(zip(sources, files)):
+        texts = source_texts(src, fs)
+        picked = [tok.encode(t) for i, t in enumerate(texts) if held_out(i, len(texts), val_every) == (split == "val")]
+        docs, source = docs + picked, source + [s] * len(picked)
+        if not picked and len(sources) > 1:
+            raise ValueError(f"{src}: its {len(texts)} document(s) leave the {split} split without it")
+    if not docs:
+        raise ValueError(f"{data_dir or 'the standard library'}: {sum(map(len, files))} document(s) leave the {split} "
+                         f"split empty (every {val_every}th document is held out for validation)")
+    offsets = np.cumsum([0] + [len(d) for d in docs])
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"      # per process: two runs preparing at once never share a file
+    arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=(max(1, int(offsets[-1])),))
+    arr[: offsets[-1]] = np.concatenate(docs)
+    arr.flush()
+    os.replace(tmp, path + ".bin")
+    if len(sources) > 1:
+        with open(tmp, "wb") as f:
+            np.save(f, np.array(source))
+        os.replace(tmp, path + ".source.npy")
+    with open(tmp, "wb") as f:
+        np.save(f, offsets)
+    os.replace(tmp, path + ".offsets.npy")   # renamed last: its presence means the cache is complete
+    print(f"prepared {split}: {len(docs)} documents, {offsets[-1]:,} tokens -> {path}.bin")
 
 
 def lm_sample(split, rng, n_chunks, chunk_size, T):
     # a window of n*C + T + 1 tokens from one document: X_C, then X_D (idx) and its next tokens (targets)
-    tokens, offsets = split
+    tokens, offsets = split[:2]
     need = n_chunks * chunk_size + T + 1
     lens = np.diff(offsets)
     ok = np.nonzero(lens >= need)[0]
     if len(ok) == 0:
         raise ValueError(f"no document has {need} tokens (n_chunks={n_chunks} x chunk_size={chunk_size} + T={T} + 1); "
                          f"the longest has {lens.max()}")
+    if len(split) > 2:   # several sources: a source first, evenly, then one of its documents
+        sources = sorted(set(split[2][ok].tolist()))
+        ok = ok[split[2][ok] == sources[rng.randrange(len(sources))]]
     d = ok[rng.randrange(len(ok))]
     s = int(offsets[d]) + rng.randrange(int(lens[d]) - need + 1)
     w = torch.from_numpy(tokens[s:s + need].astype(np.int64))

@@ -25,7 +25,7 @@ import torch
 
 import data
 import plots
-from configurator import auto_device, check_ranges, config_of, out_file, package_path, parse_overrides
+from configurator import auto_device, check_ranges, config_of, out_file, package_path, package_paths, parse_overrides
 from checkpoint import base_model, load_sharedllm
 
 # -----------------------------------------------------------------------------
@@ -50,7 +50,7 @@ batch_size = 8
 # ablations: inference-time SharedLLM settings (0 / "" = as trained); noise and M need their own training run
 height = 0                  # tree height h
 beta = 0                    # compression C / KVs kept per chunk
-policy = ""                 # "right" (retrieval off) | "query"
+policy = ""                 # "right" (retrieval off) | "query" | "query_mean" (beyond the paper: mean embeddings)
 chunk_ids = ""              # "plain" | "clamp" | "off" ("random" is read like plain: at inference they are the same)
 max_chunk_dist = 0          # "clamp": the largest chunk distance; 0 = the checkpoint's own (else its n_chunks)
 keep = ""                   # "last" | "first" token of each stride window
@@ -69,7 +69,7 @@ def ppl_windows(split, n_max, C, T, K, max_windows):
     # -> (document start, p) pairs: X_D = tokens [p+K-T, p+K), its last K positions [p, p+K) are scored, and the tokens
     # they predict are [p+1, p+K+1) (window_tokens); X_C is the n*C tokens before X_D; every window fits n_max chunks
     # inside its own document.
-    tokens, offsets = split
+    tokens, offsets = split[:2]
     cand = []
     for d in range(len(offsets) - 1):
         a, b = int(offsets[d]), int(offsets[d + 1])
@@ -405,7 +405,8 @@ def main(g):
     t0 = time.time()
     try:
         needs_text = g["task"] == "ppl" or (g["task"] == "ablations" and train_cfg.get("task") != "passkey")
-        splits = data.prepare(tok, package_path(g["data_dir"] or train_cfg.get("data_dir", ""))) if needs_text else None
+        text = package_paths(g["data_dir"] or train_cfg.get("data_dir", ""))   # only its validation split is read
+        splits = data.prepare(tok, text, splits=("val",)) if needs_text else None
         if needs_text and not g["chunks"]:   # the default lengths: those the validation documents hold
             longest = int(np.diff(splits["val"][1]).max())
             fit = [n for n in ns if n * C + T + 1 <= longest]

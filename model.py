@@ -368,7 +368,8 @@ class SharedConfig:
     height: int = 3           # h: levels of the context tree below the root
     beta: int = 8             # overall compression: C / (KVs kept per chunk)
     policy: str = "query"     # which child to expand: "query" (cosine with the query; a row with no query, as in
-                              # language modeling, goes right) or "right" (always the most recent half: the paper's LM)
+                              # language modeling, goes right) or "right" (always the most recent half: the paper's LM);
+                              # "query_mean": the query's and each child's mean token embedding (beyond the paper)
     noise: float = 0.0        # the split noise: eps ~ N(0, sigma^2) in training with sigma = l / noise (l: the node's
                               # length; the paper's table: l/5 LM, l/10 SFT), so LARGER means LESS noise; 0 = exact halves
     chunk_ids: str = "random" # chunk-level position ids in cross-attention (Eq. 2): "plain" (the paper: keys of chunk i
@@ -387,7 +388,7 @@ class SharedConfig:
     def __post_init__(self):
         if isinstance(self.chunk_ids, bool):   # older checkpoints and code said True / False
             self.chunk_ids = "plain" if self.chunk_ids else "off"
-        for name, allowed in [("policy", ("right", "query")), ("keep", ("last", "first")),
+        for name, allowed in [("policy", ("right", "query", "query_mean")), ("keep", ("last", "first")),
                               ("chunk_ids", ("plain", "clamp", "random", "off")),
                               ("inject", ("bottom", "top", "interleaved")), ("lower", ("shared", "copy"))]:
             if getattr(self, name) not in allowed:
@@ -480,6 +481,8 @@ class SharedLLM(nn.Module):
                 # batched encoding reuses them for the nodes it keeps
                 first_kv = first_layer_kv(self.lower_model(), rows.reshape(-1))   # (B*n*C, Hkv, hd) each
                 decide = self.query_policy(rows, idx, query_len, first_kv)        # 1. the query-aware policy
+            elif self.scfg.policy == "query_mean" and query_len is not None and bool((query_len > 0).any()):
+                decide = mean_embedding_policy(self.lower_model(), rows, idx, query_len)   # (beyond the paper)
             noise = self.scfg.noise if self.training else 0.0
             nodes = tree.search(B * n, C, self.scfg.height, self.scfg.beta, decide, noise)   # 2. Algorithm 1
             kv = self.encode_nodes(rows, nodes, first_kv)               # 3. the preserved nodes' kept K/V (Sec. 3.2)
@@ -679,7 +682,34 @@ def gather_spans(rows, row_ids, spans):
 # -----------------------------------------------------------------------------
 # Options beyond the paper, each a SharedConfig setting; docs/differences.md says what it changes and what it
 # measured. One of them is on by default: chunk_ids="clamp" (the paper's Eq. 2 is chunk_ids="plain"); the others
-# (random ids, log-n scaling, inject top / interleaved, lower="copy", keep="first") are off unless named.
+# (random ids, log-n scaling, inject top / interleaved, lower="copy", keep="first", policy="query_mean") are off
+# unless named.
+
+
+def mean_embedding_policy(llama, rows, idx, query_len):
+    # policy="query_mean": the query-aware search of Step 1 with another similarity, the cosine of MEAN TOKEN EMBEDDINGS
+    # (the query's tokens against each child span's). The paper's vector is the first layer's output at one position, a
+    # span's last token, which on a pretrained model reads mostly that token: on SmolLM2 it sent the passkey's chunk
+    # toward its coarse node MORE often than "always right" (docs/real_model.md). A mean over the span sees every
+    # token, so words the question shares with the needle ("pass key") pull the search toward it. Prefix sums give
+    # every span's mean at once. rows: (B*n, C); idx: (B, T); query_len: (B,) on the host -> decide(level, lefts, rights)
+    R, C = rows.shape
+    n = R // idx.shape[0]
+    no_query = (query_len == 0).repeat_interleave(n).tolist()
+    with torch.no_grad():
+        emb = llama.tok_embeddings.weight
+        in_query = (torch.arange(idx.shape[1])[None] < query_len[:, None]).to(idx.device)      # (B, T)
+        q = (emb[idx].float() * in_query[..., None]).sum(1) / in_query.sum(1, keepdim=True).clamp(min=1)   # (B, dim)
+        q = q.repeat_interleave(n, dim=0)                                                    # (B*n, dim)
+        prefix = F.pad(emb[rows].float().cumsum(1), (0, 0, 1, 0))                           # (B*n, C+1, dim)
+
+    def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
+        b, r = to_device([[*left, *right] for left, right in zip(lefts, rights)], rows.device), torch.arange(R, device=rows.device)
+        left = prefix[r, b[:, 1]] - prefix[r, b[:, 0]]      # (B*n, dim) span sums: the cosine ignores the division
+        right = prefix[r, b[:, 3]] - prefix[r, b[:, 2]]     # by the length
+        right_closer = F.cosine_similarity(q, right, dim=-1) > F.cosine_similarity(q, left, dim=-1)
+        return [r or nq for r, nq in zip(right_closer.tolist(), no_query)]
+    return decide
 
 
 def other_chunk_positions(scfg, B, n, device, training):

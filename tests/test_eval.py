@@ -368,8 +368,8 @@ def test_bad_input_sweep_sample_and_eval(micro_ckpt, tmp_path, monkeypatch):
                       (["--max_windows=0"], "--max_windows=0: expected a value in [1, inf]"),
                       (["--block_size=-5"], "--block_size=-5: expected a value in [0, inf]"),
                       ([f"--out={tmp_path}/nowhere/x.json"], f"--out={tmp_path}/nowhere/x.json: the folder"),
-                      (["--task=ppl", f"--data_dir={tmp_path}/nowhere"], "nowhere': no such folder"),
-                      (["--task=ppl", f"--data_dir={tmp_path / 'latin1.txt'}"], "a file; give a folder of .txt files"),
+                      (["--task=ppl", f"--data_dir={tmp_path}/nowhere"], "nowhere': no such file or folder"),
+                      (["--task=ppl", f"--data_dir=stdlib,{tmp_path}/nowhere"], "nowhere': no such file or folder"),
                       (["--task=ablations", "--compare=x=/nonexistent"], "--compare=x=/nonexistent: /nonexistent: no such")]:
         assert msg in error_of(E, pk + args, tmp_path, monkeypatch), args
 

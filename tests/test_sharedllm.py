@@ -381,3 +381,31 @@ def test_reference_encoding_equals_the_batched_one(policy, kw, monkeypatch):
     assert rel_err(l1, l2) < 1e-5
     for n in g1:
         assert g1[n] is not None and g1[n].abs().sum() > 0 and rel_err(g1[n], g2[n]) < 1e-5, (n, rel_err(g1[n], g2[n]))
+
+
+def test_query_mean_policy_is_the_cosine_of_mean_embeddings_per_tree():
+    # policy="query_mean" (beyond the paper): every tree expands the child whose mean token embedding is closer (cosine)
+    # to the mean embedding of ITS OWN sample's query; a row with no query goes right. Checked against the plain
+    # definition, one span at a time; and a chunk holding the query's own tokens is searched toward them.
+    s, _ = build(policy="query_mean", height=3, noise=0.0)
+    ctx, idx = data(B=2, n=3)
+    ctx[1, 2, 40:56] = idx[1, :16]                          # sample 1, chunk 2: the query's 16 tokens at 40..55
+    ql = torch.tensor([12, 16])
+    emb = s.upper.tok_embeddings.weight.detach()
+    mean = lambda t: emb[t].mean(0)
+    with torch.no_grad():
+        nodes = s.compress(ctx, idx, ql).nodes
+        for r, nds in enumerate(nodes):                     # walk each tree down by hand, from the root
+            b, (lo, hi) = r // 3, (0, 64)
+            q = mean(idx[b, :ql[b]])
+            for level in (1, 2):
+                mid = lo + (hi - lo) // 2
+                row = ctx[b, r % 3]
+                right = torch.cosine_similarity(q, mean(row[mid:hi]), 0) > torch.cosine_similarity(q, mean(row[lo:mid]), 0)
+                kept = [(nd.start, nd.end) for nd in nds if nd.level == level][0]
+                assert kept == ((lo, mid) if right else (mid, hi)), (r, level)
+                lo, hi = (mid, hi) if right else (lo, mid)
+        assert [(nd.start, nd.end) for nd in nodes[5] if nd.level == 1] == [(0, 32)]   # expanded toward 40..55
+        none = s.compress(ctx, idx, torch.tensor([0, 0])).nodes
+        s.scfg.policy = "right"
+        assert none == s.compress(ctx, idx).nodes

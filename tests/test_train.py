@@ -103,8 +103,29 @@ def test_lm_sample_is_one_document_in_order(tmp_path):
         assert torch.equal(idx[1:], tgt[:-1])                                      # X_D then its next tokens
     with pytest.raises(ValueError, match="no document has 10001 tokens"):
         data.lm_sample(splits["train"], rng, 100, 100, 0)
-    with pytest.raises(ValueError, match="2 documents leave the val split empty"):
+    (docs / "b.txt").unlink()   # one document: a source with fewer than 10 holds out its last, here its only one
+    with pytest.raises(ValueError, match=re.escape("1 document(s) leave the train split empty")):
         data.prepare(tok, str(docs), str(tmp_path / "cache2"))
+
+
+def test_several_sources_are_split_each_and_sampled_evenly(tmp_path):
+    # two domains of very different sizes: each keeps validation documents of its own, and lm_sample draws the domains
+    # evenly, not by their number of documents
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    for i in range(20):
+        (a / f"{i:02d}.txt").write_text("a" * 500)
+    for i in range(3):
+        (b / f"{i}.txt").write_text("b" * 500)
+    tok = ByteTokenizer()
+    splits = data.prepare(tok, f"{a},{b}", str(tmp_path / "cache"))
+    assert splits["train"][2].tolist() == [0] * 18 + [1] * 2 and splits["val"][2].tolist() == [0, 0, 1]
+    rng = random.Random(0)
+    drawn = [tok.decode(data.lm_sample(splits["train"], rng, 2, 64, 32)[1][5:6].tolist()) for _ in range(400)]
+    assert 0.42 < drawn.count("b") / 400 < 0.58            # 2 of 20 training documents, half of the samples
+    assert data.prepare(tok, str(a), str(tmp_path / "cache"))["train"][1][-1] == 18 * 501   # one source: its own cache
+    docs = data.source_texts("pydoc", data.corpus_files("pydoc"))   # Python's reference documentation, as prose
+    assert len(docs) >= 4 and all(len(d) >= 100_000 for d in docs[:-1]) and "assert" in docs[0]
 
 
 def test_passkey_sample():
