@@ -188,12 +188,13 @@ def full_row(base, splits, windows, n, C, T, K, g, dev, rows, last_full):
 
 
 @torch.no_grad()
-def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, dev, full=False, window=0):
+def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, dev, full=False, window=0, none=False):
     # exact match over `samples` haystacks, each key at a depth drawn uniformly from [depth - band/2, depth + band/2]
     # (within 0..1): a single fixed position would test one alignment of the key with the stride windows only.
     # A fixed seed per cell, so every setting sees the same keys and positions. full: the base model reads the
     # haystack and the question as one sequence instead; window: only their last `window` tokens, and a haystack whose
-    # key lies wholly before those is a miss without a forward (nothing in the window holds it). -> (accuracy, forwards)
+    # key lies wholly before those is a miss without a forward (nothing in the window holds it); none: the upper model
+    # reads the question alone. -> (accuracy, forwards)
     rng = random.Random(f"{seed}-{n}-{depth}")
     lo, hi = max(0.0, depth - band / 2), min(1.0, depth + band / 2)
     hits, ran = 0, 0
@@ -208,7 +209,7 @@ def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, d
                 continue
             logits, _ = model.upper(seq, last=idx.shape[1])
         else:
-            logits, _ = model(ctx, idx, query_len=ql)
+            logits, _ = model(None if none else ctx, idx, query_len=ql)
         scored = tgt != -100
         hits += ((logits.argmax(-1) == tgt) | ~scored).all(-1).sum().item()
         ran += len(tgt)
@@ -242,9 +243,9 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
     # full attention (within its window), each with its cost per haystack
     ds, W, cfg = [float(x) for x in g["depths"].split(",")], g["window"], model.upper.cfg
     question = sum(map(len, data.passkey_question(tok, 99999))) + 4
-    grids, res, cost = {"SharedLLM": {}, "window": {}, "full": {}}, [], {}
+    grids, res, cost = {"none": {}, "SharedLLM": {}, "window": {}, "full": {}}, [], {}
     for n in ns:
-        rows = {"SharedLLM": dict(model=model)}
+        rows = {"none": dict(model=model, none=True), "SharedLLM": dict(model=model)}
         if W:
             rows["window"] = dict(model=base, window=W)
         if g["full"] and n * C + question <= cfg.max_seq_len:
@@ -258,20 +259,23 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
             for d in ds:
                 grids[name][n, d], r = passkey_accuracy(how["model"], tok, n, C, d, band(g, ds), g["samples"],
                                                         g["batch_size"], g["seed"], dev, how.get("full", False),
-                                                        how.get("window", 0))
+                                                        how.get("window", 0), how.get("none", False))
                 ran += r
-            L = question if name == "SharedLLM" else min(n * C + question, W if name == "window" else n * C + question)
+            L = {"none": question, "SharedLLM": question, "window": min(W, n * C + question)}.get(name, n * C + question)
             kv = n * (C // model.scfg.beta) if name == "SharedLLM" else 0
             gf = gflops(cfg, L, 5, n * C if name == "SharedLLM" else 0, model.scfg.n_lower if kv else 0, kv)
             cost[n, name] = dict(s_per_haystack=(time.time() - t0) / max(ran, 1), gflop_per_haystack=gf, forwards=ran)
         for d in ds:
             res.append(dict(n_chunks=n, context_tokens=n * C, depth=d, depth_band=band(g, ds), samples=g["samples"],
-                            accuracy=grids["SharedLLM"][n, d], window_attention=grids["window"].get((n, d)),
+                            accuracy=grids["SharedLLM"][n, d], without_context=grids["none"][n, d],
+                            window_attention=grids["window"].get((n, d)),
                             window_tokens=W or None, full_attention=grids["full"].get((n, d)),
                             cost={k: v for (m, k), v in cost.items() if m == n}))
     print(f"passkey: {g['samples']} haystacks per cell, exact match of all 5 digits (= greedy decoding); "
           f"key at depth d +- {band(g, ds) / 2:g} (uniform) of n chunks x C = {C} tokens")
     print(heatmap(grids["SharedLLM"], ns, ds, C))
+    print("none (the upper model on the question alone): " + ", ".join(
+        f"{n * C:,} tokens {100 * sum(grids['none'][n, d] for d in ds) / len(ds):.1f}%" for n in ns))
     if W:
         print(f"window: {base.label} over the last W = {W:,} tokens of the same haystacks and question (a key wholly "
               f"before them is a miss without a forward):")

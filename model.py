@@ -689,8 +689,8 @@ def gather_spans(rows, row_ids, spans):
 def mean_embedding_policy(llama, rows, idx, query_len):
     # policy="query_mean": the query-aware search of Step 1 with another similarity, the cosine of MEAN TOKEN EMBEDDINGS
     # (the query's tokens against each child span's). The paper's vector is the first layer's output at one position, a
-    # span's last token, which on a pretrained model reads mostly that token: on SmolLM2 it sent the passkey's chunk
-    # toward its coarse node MORE often than "always right" (docs/real_model.md). A mean over the span sees every
+    # span's last token, which on a pretrained model reads mostly that token: on SmolLM2 it left the passkey in its
+    # chunk's coarsest node MORE often than "always right" does (docs/real_model.md). A mean over the span sees every
     # token, so words the question shares with the needle ("pass key") pull the search toward it. Prefix sums give
     # every span's mean at once. rows: (B*n, C); idx: (B, T); query_len: (B,) on the host -> decide(level, lefts, rights)
     R, C = rows.shape
@@ -704,11 +704,12 @@ def mean_embedding_policy(llama, rows, idx, query_len):
         prefix = F.pad(emb[rows].float().cumsum(1), (0, 0, 1, 0))                           # (B*n, C+1, dim)
 
     def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
-        b, r = to_device([[*left, *right] for left, right in zip(lefts, rights)], rows.device), torch.arange(R, device=rows.device)
+        b = to_device([[*left, *right] for left, right in zip(lefts, rights)], rows.device)      # (B*n, 4) bounds
+        r = torch.arange(R, device=rows.device)
         left = prefix[r, b[:, 1]] - prefix[r, b[:, 0]]      # (B*n, dim) span sums: the cosine ignores the division
         right = prefix[r, b[:, 3]] - prefix[r, b[:, 2]]     # by the length
         right_closer = F.cosine_similarity(q, right, dim=-1) > F.cosine_similarity(q, left, dim=-1)
-        return [r or nq for r, nq in zip(right_closer.tolist(), no_query)]
+        return [go or nq for go, nq in zip(right_closer.tolist(), no_query)]
     return decide
 
 

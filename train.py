@@ -438,7 +438,7 @@ def check_lengths(tok, splits, train_counts, eval_counts, master):
                              f"{min(train_counts + eval_counts)} chunk(s) hold {min(train_counts + eval_counts) * chunk_size}"
                              f" tokens; the passkey needle needs {needle}")
         xd = max(sum(map(len, data.passkey_question(tok, k))) for k in keys) - 1
-        if block_size < xd:
+        if pad_passkeys and block_size < xd:   # (else a passkey batch is as long as it needs)
             raise SystemExit(f"--block_size={block_size}: the passkey question and answer take up to {xd} tokens")
     if chunk_ids == "random" and max(train_counts) > max_chunk_id:
         raise SystemExit(f"--max_chunk_id={max_chunk_id}: random chunk ids for {max(train_counts)} chunks need at least "

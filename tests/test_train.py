@@ -1,4 +1,5 @@
 # train.py and data.py: config parsing, samples, overfitting, exact resume, the LLaMA-2 path, DDP over gloo.
+import json
 import os
 import random
 import re
@@ -437,3 +438,24 @@ def test_final_eval_reads_more_haystacks_but_the_same_text_windows(tmp_path):
         train_in_process(MICRO + ["--task=mixed", "--lm_from=0", "--max_iters=2", "--eval_interval=100",
                                   "--eval_iters=2", "--final_eval_iters=5", f"--out_dir={tmp_path}"], tmp_path)
     assert kinds.count("passkey") == 5 and kinds.count("lm") == 2
+
+
+def test_the_smollm2_retrieval_recipe_trains_only_the_cross_attention(tmp_path, capsys):
+    # config/smollm2_retrieval_cpu.py on a random tiny checkpoint (its sizes scaled down): passkey batches, then text
+    # batches, the mean-embedding search; the base model's every weight stays as it was, the cross-attention moves
+    from checkpoint import load_sharedllm
+    from load_llama import load_llama
+    ck, docs = tiny_llama_and_docs(tmp_path)
+    train_in_process([os.path.join(ROOT, "config", "smollm2_retrieval_cpu.py"), f"--init_from={ck}",
+                      f"--data_dir={docs}", "--n_lower=1", "--chunk_size=64", "--chunk_schedule=1:2",
+                      "--beta_schedule=1:1", "--block_size=32", "--batch_size=2", "--max_iters=6", "--lm_from=3",
+                      "--passkey_frac=0.5", "--eval_interval=6", "--eval_iters=1", "--eval_chunks=2",
+                      "--final_eval_chunks=", "--final_eval_iters=0", "--log_interval=1", "--device=cpu",
+                      f"--out_dir={tmp_path / 'out'}"], tmp_path)
+    assert "policy='query_mean'" in capsys.readouterr().out
+    kinds = {k for line in open(tmp_path / "out" / "log.jsonl") for k in json.loads(line).get("loss", {})}
+    assert kinds == {"passkey", "lm"}                                                # both kinds of batch trained
+    trained, base = load_sharedllm(str(tmp_path / "out"))[0].state_dict(), load_llama(str(ck)).state_dict()
+    cross = {k for k in trained if ".cross_" in k}
+    assert all(torch.equal(trained["upper." + k], v) for k, v in base.items())      # the base model, bit for bit
+    assert cross and all(trained[k].abs().sum() > 0 for k in cross if "wo" in k)      # zero at the start, moved
