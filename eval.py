@@ -177,8 +177,8 @@ def full_row(base, splits, windows, n, C, T, K, g, dev, rows, last_full):
     # skipped when the last one run predicts more than --full_budget_s.
     L, W = n * C + T, g["window"]
     flops = gflops(base.upper.cfg, L, K)
-    if W >= L:
-        return rows["window"][:3] + ("= window: the whole context fits",), last_full
+    if W >= L:   # (its time is the window row's: it predicts the next full row's)
+        return rows["window"][:3] + ("= window: the whole context fits",), (n, rows["window"][1])
     guess = last_full[1] * len(windows) * (L / (last_full[0] * C + T)) ** 2 if last_full else 0
     if guess > g["full_budget_s"]:
         return (None, 0.0, flops, f"skipped: ~{guess:.0f} s > --full_budget_s={g['full_budget_s']:g}"), last_full
