@@ -291,7 +291,7 @@ def test_eval_reads_the_checkpoints_own_data(micro_ckpt, tmp_path, monkeypatch):
     (tmp_path / "own").mkdir()
     torch.save(ck, tmp_path / "own" / "ckpt.pt")
     seen, real = [], data.prepare
-    monkeypatch.setattr(data, "prepare", lambda tok, d: seen.append(d) or real(tok, d, str(tmp_path / "cache")))
+    monkeypatch.setattr(data, "prepare", lambda tok, d, **kw: seen.append(d) or real(tok, d, str(tmp_path / "cache"), **kw))
     cfg = config_of(vars(E))
     cfg.update(init_from=str(tmp_path / "own"), task="ppl", chunks="1", max_windows=2, device="cpu")
     assert len(E.main(cfg)) == 1 and seen == [str(micro_ckpt / "docs")]

@@ -71,7 +71,8 @@ def test_full_attention_is_the_unchanged_base_model(tmp_path, capsys):
                       "--device=cpu", f"--out_dir={tmp_path / 'out'}"], tmp_path)
     res = E.main(parse_overrides([f"--init_from={tmp_path / 'out'}", "--task=ppl", "--chunks=2", "--full=True",
                                   "--max_windows=3", "--device=cpu"], config_of(vars(E)), E.__file__))
-    assert f"'full' = the base model {ck} with plain attention" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"'window' = the base model {ck} over the last W" in out and "'full' = it over X_C + X_D" in out
     splits = data.prepare(load_tokenizer(str(ck)), str(docs))
     windows = E.ppl_windows(splits["val"], 2, 32, 32, 16, 3)
     by_hand = {}

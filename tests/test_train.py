@@ -301,7 +301,7 @@ def test_every_length_is_checked_at_start_up_and_weights_are_never_lost(tmp_path
     with pytest.raises(SystemExit, match=r"--n_chunks / --chunk_schedule: 64 chunks x 32 \+ block_size 48 \+ 1 = 2,097 "
                                          r"tokens, and the longest training document of .*docs has"):
         train_in_process(lm + ["--n_chunks=64", f"--out_dir={tmp_path / 'b'}"], tmp_path)
-    with pytest.raises(SystemExit, match="--data_dir=.*nowhere: data_dir=.*nowhere': no such folder"):
+    with pytest.raises(SystemExit, match="--data_dir=.*nowhere: data_dir=.*nowhere': no such file or folder"):
         train_in_process(lm + [f"--data_dir={tmp_path / 'nowhere'}", f"--out_dir={tmp_path / 'b'}"], tmp_path)
     # an evaluation that fails after training: the weights were saved before it
     real = data.get_batch
