@@ -29,7 +29,8 @@ QUESTION = "What is the pass key? The pass key is "   # then the key, tokenized 
 
 def corpus_files(data_dir=""):
     # one source -> its files: a folder (every .txt below it), a glob pattern, one file, "stdlib" (or "": the standard
-    # library's .py) or "pydoc" (Python's reference documentation, which every Python ships as pydoc_data/topics.py)
+    # library's .py) or "pydoc" (Python's reference documentation, which every Python ships as pydoc_data/topics.py).
+    # The two names win over a folder called so: write ./stdlib for that.
     if data_dir in ("", "stdlib"):
         return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
     if data_dir == "pydoc":
@@ -69,9 +70,13 @@ def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10, splits=("tra
     # -> {"train": (tokens, offsets[, source]), "val": (...)}; offsets[i]:offsets[i+1] is document i; with several
     # comma-separated sources, source[i] is the source document i came from (lm_sample draws sources evenly)
     sources = data_dir.split(",") if data_dir else [""]
+    if len(sources) > 1 and "" in sources:   # "a,b," would quietly add the standard library
+        raise ValueError(f"data_dir={data_dir!r}: an empty source between commas (the standard library is 'stdlib')")
     files = [corpus_files(src) for src in sources]
+    # the cache's name: the tokenizer and the files, and the sources' names where they change how files become
+    # documents (pydoc makes 4 of its one file; a path to that file is 1 document). The default's key is unchanged.
     sig = json.dumps([tok.spec, [(f, os.path.getsize(f)) for fs in files for f in fs]]
-                     + ([sources] if len(sources) > 1 else []), sort_keys=True)
+                     + ([sources] if len(sources) > 1 or sources == ["pydoc"] else []), sort_keys=True)
     key = hashlib.sha1(sig.encode()).hexdigest()[:12]
     dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
     out = {}
@@ -97,7 +102,8 @@ def write_split(tok, sources, files, split, path, cache_dir, dtype, val_every, d
             raise ValueError(f"{src}: its {len(texts)} document(s) leave the {split} split without it")
     if not docs:
         raise ValueError(f"{data_dir or 'the standard library'}: {sum(map(len, files))} document(s) leave the {split} "
-                         f"split empty (every {val_every}th document is held out for validation)")
+                         f"split empty (every {val_every}th document of a source, or the last of a source of fewer, is "
+                         f"held out for validation)")
     offsets = np.cumsum([0] + [len(d) for d in docs])
     os.makedirs(cache_dir, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"      # per process: two runs preparing at once never share a file

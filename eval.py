@@ -42,7 +42,8 @@ full = False                # also score the unchanged base model with full atte
 window = -1                 # W: also score the unchanged base model over the last W tokens only (what a user does with a
                             # document longer than the model's window: cut it); -1 = its trained window; 0 = no such row
 full_budget_s = 300.0       # ppl: skip full attention at lengths predicted to take longer than this (it is quadratic)
-data_dir = ""               # a folder of .txt (validation split); "" = the checkpoint's own data_dir (the stdlib's .py)
+data_dir = ""               # its validation split is read: a folder of .txt, a glob, a file, stdlib, pydoc, or several
+                            # joined by commas (data.py); "" = the checkpoint's own data_dir
 depths = "0,0.25,0.5,0.75,1"    # passkey depths: 0 = key at the start of the context, 1 = at its end
 depth_band = -1.0           # each key's depth is uniform within d +- band/2; -1 = the grid's spacing; 0 = exactly d
 samples = 32                # passkey samples per (chunk count, depth) cell
@@ -109,13 +110,13 @@ def score_ppl(model, split, windows, n, C, T, K, context, batch_size, dev, windo
     return math.exp(sum(losses) / len(losses)), scored
 
 
-def gflops(cfg, tokens, scored, lower_tokens=0, m=0, kv=0):
+def gflops(cfg, tokens, logits, lower_tokens=0, m=0, kv=0):
     # Forward FLOPs of one window (an estimate, in GFLOP): 2 x weights x tokens through the blocks, causal attention
-    # (QK^T and AV over half the square: 2 x tokens^2 x dim per layer) and the logits of the scored positions. SharedLLM
+    # (QK^T and AV over half the square: 2 x tokens^2 x dim per layer) and the logits of `logits` positions. SharedLLM
     # adds its lower model (m blocks over lower_tokens: a context tree's nodes hold C tokens in all, so n*C) and m
     # cross-attentions (their query and output projections, QK^T and AV over kv keys).
     weights = 2 * cfg.dim * cfg.head_dim * (cfg.n_heads + cfg.n_kv_heads) + 3 * cfg.dim * cfg.hidden_dim   # per block
-    f = (2 * weights + 2 * cfg.dim * tokens) * cfg.n_layers * tokens + 2 * cfg.dim * cfg.vocab_size * scored
+    f = (2 * weights + 2 * cfg.dim * tokens) * cfg.n_layers * tokens + 2 * cfg.dim * cfg.vocab_size * logits
     f += 2 * weights * m * lower_tokens + 4 * m * cfg.dim * (cfg.dim + kv) * tokens
     return f / 1e9
 
@@ -143,10 +144,10 @@ def run_ppl(model, splits, ns, C, T, K, g, dev, base=None):
     for n in ns:
         rows = {}   # name -> (perplexity, seconds per window, GFLOP per window, note)
         shared, scored, s = timed_ppl(model, splits["val"], windows, n, C, T, K, "compressed", g, dev)
-        rows["SharedLLM"] = (shared, s, gflops(cfg, T, K, n * C, M, n * (C // model.scfg.beta)), "")
+        rows["SharedLLM"] = (shared, s, gflops(cfg, T, T, n * C, M, n * (C // model.scfg.beta)), "")
         if none is None:   # without the context the upper model sees the same X_D: one number for every row
             ppl, _, s = timed_ppl(model, splits["val"], windows, n, C, T, K, "none", g, dev)
-            none = (ppl, s, gflops(cfg, T, K), "")
+            none = (ppl, s, gflops(cfg, T, T), "")   # logits at every position of X_D
         rows["none"] = none
         if W:
             ppl, _, s = timed_ppl(base, splits["val"], windows, n, C, T, K, "window", g, dev, W)
@@ -193,8 +194,8 @@ def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, d
     # (within 0..1): a single fixed position would test one alignment of the key with the stride windows only.
     # A fixed seed per cell, so every setting sees the same keys and positions. full: the base model reads the
     # haystack and the question as one sequence instead; window: only their last `window` tokens, and a haystack whose
-    # key lies wholly before those is a miss without a forward (nothing in the window holds it); none: the upper model
-    # reads the question alone. -> (accuracy, forwards)
+    # window holds no whole copy of the key (it lies before them, or they cut it) is a miss without a forward; none:
+    # the upper model reads the question alone. -> (accuracy, forwards)
     rng = random.Random(f"{seed}-{n}-{depth}")
     lo, hi = max(0.0, depth - band / 2), min(1.0, depth + band / 2)
     hits, ran = 0, 0
@@ -202,7 +203,8 @@ def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, d
         b = [data.passkey_sample(tok, rng, n, C, depth=rng.uniform(lo, hi)) for _ in range(min(batch_size, samples - i))]
         ctx, idx, tgt, ql = (t.to(dev) for t in data.collate(b, tok))
         if full or window:
-            seq = torch.cat([ctx.flatten(1), idx], 1)[:, -window:]     # (B, n*C + T), or its last W tokens
+            seq = torch.cat([ctx.flatten(1), idx], 1)                  # (B, n*C + T)
+            seq = seq[:, -window:] if window else seq                  # ... or its last W tokens
             keep = [key_in(row[:-idx.shape[1]].tolist(), t[t != -100].tolist()) for row, t in zip(seq, tgt)]
             seq, idx, tgt = seq[keep], idx[keep], tgt[keep]
             if not len(seq):
@@ -214,6 +216,15 @@ def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, d
         hits += ((logits.argmax(-1) == tgt) | ~scored).all(-1).sum().item()
         ran += len(tgt)
     return hits / samples, ran
+
+
+def passkey_xd(tok):
+    # X_D of a haystack in tokens: the question and the key less its last token. A key can take a token or two more
+    # in one sample than in another (GPT-2 BPE: 2 or 3), so where X_D must fit a window, add XD_MARGIN.
+    return sum(map(len, data.passkey_question(tok, 99999))) - 1
+
+
+XD_MARGIN = 4
 
 
 def key_in(tokens, key):   # does the list `tokens` hold `key` (the answer's token ids) as a contiguous run?
@@ -242,7 +253,8 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
     # the passkey grid of SharedLLM and, from the unchanged base model (base), its window row (the last W tokens) and
     # full attention (within its window), each with its cost per haystack
     ds, W, cfg = [float(x) for x in g["depths"].split(",")], g["window"], model.upper.cfg
-    question = sum(map(len, data.passkey_question(tok, 99999))) + 4
+    xd = passkey_xd(tok)
+    question = xd + XD_MARGIN   # X_D at its longest
     grids, res, cost = {"none": {}, "SharedLLM": {}, "window": {}, "full": {}}, [], {}
     for n in ns:
         rows = {"none": dict(model=model, none=True), "SharedLLM": dict(model=model)}
@@ -261,9 +273,9 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
                                                         g["batch_size"], g["seed"], dev, how.get("full", False),
                                                         how.get("window", 0), how.get("none", False))
                 ran += r
-            L = {"none": question, "SharedLLM": question, "window": min(W, n * C + question)}.get(name, n * C + question)
+            L = {"none": xd, "SharedLLM": xd, "window": min(W, n * C + xd)}.get(name, n * C + xd)   # tokens through it
             kv = n * (C // model.scfg.beta) if name == "SharedLLM" else 0
-            gf = gflops(cfg, L, 5, n * C if name == "SharedLLM" else 0, model.scfg.n_lower if kv else 0, kv)
+            gf = gflops(cfg, L, xd, n * C if name == "SharedLLM" else 0, model.scfg.n_lower if kv else 0, kv)
             cost[n, name] = dict(s_per_haystack=(time.time() - t0) / max(ran, 1), gflop_per_haystack=gf, forwards=ran)
         for d in ds:
             res.append(dict(n_chunks=n, context_tokens=n * C, depth=d, depth_band=band(g, ds), samples=g["samples"],
@@ -400,10 +412,11 @@ def main(g):
         raise SystemExit(f"eval.py: --score_last={K}: expected 1..T={T}")
     if g["window"] == -1:
         g["window"] = model.upper.cfg.max_seq_len
-    if g["task"] != "ablations" and g["window"] and g["window"] < (K if g["task"] == "ppl" else 64):
+    least = K if g["task"] == "ppl" else passkey_xd(tok) + XD_MARGIN   # the scored tokens, or the question and key
+    if g["task"] != "ablations" and g["window"] and g["window"] < least:
         raise SystemExit(f"eval.py: --window={g['window']}: expected -1 (the base model's window, "
                          f"{model.upper.cfg.max_seq_len:,}), 0 (no window row) or at least "
-                         + (f"K = {K} (the scored tokens)" if g["task"] == "ppl" else "64 (the passkey question)"))
+                         + (f"K = {K} (the scored tokens)" if g["task"] == "ppl" else f"{least} (the passkey question and key)"))
     print(f"model {g['init_from']}: {model.upper.cfg.n_layers} layers, dim {model.upper.cfg.dim}; {model.scfg}")
     print(f"device {dev}, {dt}; chunk counts {ns} (trained on {n_train})")
     t0 = time.time()

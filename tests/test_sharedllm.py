@@ -390,6 +390,7 @@ def test_query_mean_policy_is_the_cosine_of_mean_embeddings_per_tree():
     s, _ = build(policy="query_mean", height=3, noise=0.0)
     ctx, idx = data(B=2, n=3)
     ctx[1, 2, 40:56] = idx[1, :16]                          # sample 1, chunk 2: the query's 16 tokens at 40..55
+    ctx[1, 0, 4:20] = idx[1, :16]                           # ... and chunk 0: at 4..19, in the left half
     ql = torch.tensor([12, 16])
     emb = s.upper.tok_embeddings.weight.detach()
     mean = lambda t: emb[t].mean(0)
@@ -406,6 +407,9 @@ def test_query_mean_policy_is_the_cosine_of_mean_embeddings_per_tree():
                 assert kept == ((lo, mid) if right else (mid, hi)), (r, level)
                 lo, hi = (mid, hi) if right else (lo, mid)
         assert [(nd.start, nd.end) for nd in nodes[5] if nd.level == 1] == [(0, 32)]   # expanded toward 40..55
+        assert [(nd.start, nd.end) for nd in nodes[3] if nd.level == 1] == [(32, 64)]  # ... and toward 4..19
         none = s.compress(ctx, idx, torch.tensor([0, 0])).nodes
+        mixed = s.compress(ctx, idx, torch.tensor([0, 16])).nodes   # one row without a query, one with
         s.scfg.policy = "right"
-        assert none == s.compress(ctx, idx).nodes
+        right = s.compress(ctx, idx).nodes
+        assert none == right and mixed[:3] == right[:3] and mixed[3:] == nodes[3:]

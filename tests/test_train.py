@@ -126,7 +126,14 @@ def test_several_sources_are_split_each_and_sampled_evenly(tmp_path):
     assert 0.42 < drawn.count("b") / 400 < 0.58            # 2 of 20 training documents, half of the samples
     assert data.prepare(tok, str(a), str(tmp_path / "cache"))["train"][1][-1] == 18 * 501   # one source: its own cache
     docs = data.source_texts("pydoc", data.corpus_files("pydoc"))   # Python's reference documentation, as prose
-    assert len(docs) >= 4 and all(len(d) >= 100_000 for d in docs[:-1]) and "assert" in docs[0]
+    assert len(docs) >= 4 and all(len(d) >= 100_000 for d in docs) and "assert" in docs[0]   # a short tail joins the last
+    with pytest.raises(ValueError, match="an empty source between commas"):   # "a,b," must not add the standard library
+        data.prepare(tok, f"{a},{b},", str(tmp_path / "cache"))
+    # "pydoc" makes 4+ documents of its one file and holds out its last; the same file named by its path is one
+    # document, held out whole: two caches, not one (the key once named only the files)
+    topics = data.corpus_files("pydoc")[0]
+    held = [int(data.prepare(tok, src, str(tmp_path / "cache"), splits=("val",))["val"][1][-1]) for src in ("pydoc", topics)]
+    assert held == [len(docs[-1].encode()) + 1, os.path.getsize(topics) + 1]        # bytes, and BOS
 
 
 def test_passkey_sample():
@@ -440,19 +447,23 @@ def test_final_eval_reads_more_haystacks_but_the_same_text_windows(tmp_path):
     assert kinds.count("passkey") == 5 and kinds.count("lm") == 2
 
 
-def test_the_smollm2_retrieval_recipe_trains_only_the_cross_attention(tmp_path, capsys):
+def test_the_smollm2_retrieval_recipe_trains_only_the_cross_attention(tmp_path, capsys, monkeypatch):
     # config/smollm2_retrieval_cpu.py on a random tiny checkpoint (its sizes scaled down): passkey batches, then text
     # batches, the mean-embedding search; the base model's every weight stays as it was, the cross-attention moves
     from checkpoint import load_sharedllm
     from load_llama import load_llama
+    import model
     ck, docs = tiny_llama_and_docs(tmp_path)
+    searched = []   # the mean-embedding search runs on every passkey batch (and on no text batch)
+    policy = model.mean_embedding_policy
+    monkeypatch.setattr(model, "mean_embedding_policy", lambda *a: searched.append(1) or policy(*a))
     train_in_process([os.path.join(ROOT, "config", "smollm2_retrieval_cpu.py"), f"--init_from={ck}",
                       f"--data_dir={docs}", "--n_lower=1", "--chunk_size=64", "--chunk_schedule=1:2",
                       "--beta_schedule=1:1", "--block_size=32", "--batch_size=2", "--max_iters=6", "--lm_from=3",
                       "--passkey_frac=0.5", "--eval_interval=6", "--eval_iters=1", "--eval_chunks=2",
                       "--final_eval_chunks=", "--final_eval_iters=0", "--log_interval=1", "--device=cpu",
                       f"--out_dir={tmp_path / 'out'}"], tmp_path)
-    assert "policy='query_mean'" in capsys.readouterr().out
+    assert "policy='query_mean'" in capsys.readouterr().out and searched
     kinds = {k for line in open(tmp_path / "out" / "log.jsonl") for k in json.loads(line).get("loss", {})}
     assert kinds == {"passkey", "lm"}                                                # both kinds of batch trained
     trained, base = load_sharedllm(str(tmp_path / "out"))[0].state_dict(), load_llama(str(ck)).state_dict()
