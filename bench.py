@@ -190,7 +190,9 @@ def full_attention(g, m, ctx, idx, L, last_full, dev):
         full = torch.cat([ctx.flatten(1), idx], dim=1)        # (1, L + T): the same tokens, one sequence
         try:
             reps = g["repeats"] if last_full is None or last_full[1] * g["repeats"] < g["full_budget_s"] else 1
-            f_t, f_mb = measure(lambda: m.upper(full), dev, reps)
+            # logits for X_D's T positions only, as SharedLLM computes: all L + T would time and hold the output
+            # layer's (L + T, vocab) logits, on SmolLM2 (vocab 49,152) most of full attention's memory
+            f_t, f_mb = measure(lambda: m.upper(full, last=T), dev, reps)
             last_full = (L, f_t, f_mb)
         except torch.OutOfMemoryError:
             skip = "out of memory"

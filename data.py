@@ -74,9 +74,13 @@ def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10, splits=("tra
         raise ValueError(f"data_dir={data_dir!r}: an empty source between commas (the standard library is 'stdlib')")
     files = [corpus_files(src) for src in sources]
     # the cache's name: the tokenizer and the files, and the sources' names where they change how files become
-    # documents (pydoc makes 4 of its one file; a path to that file is 1 document). The default's key is unchanged.
+    # documents (pydoc makes 4 of its one file; a path to that file is 1 document). Every key but the default's also
+    # carries the format's version, 2 since that change, so a cache written before it (where pydoc and a path to its
+    # file shared a name) is never read again. The default's key is unchanged.
+    default = sources in ([""], ["stdlib"])
     sig = json.dumps([tok.spec, [(f, os.path.getsize(f)) for fs in files for f in fs]]
-                     + ([sources] if len(sources) > 1 or sources == ["pydoc"] else []), sort_keys=True)
+                     + ([sources] if len(sources) > 1 or sources == ["pydoc"] else []) + ([] if default else [2]),
+                     sort_keys=True)
     key = hashlib.sha1(sig.encode()).hexdigest()[:12]
     dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
     out = {}
@@ -102,8 +106,8 @@ def write_split(tok, sources, files, split, path, cache_dir, dtype, val_every, d
             raise ValueError(f"{src}: its {len(texts)} document(s) leave the {split} split without it")
     if not docs:
         raise ValueError(f"{data_dir or 'the standard library'}: {sum(map(len, files))} document(s) leave the {split} "
-                         f"split empty (every {val_every}th document of a source, or the last of a source of fewer, is "
-                         f"held out for validation)")
+                         f"split empty (each source holds out every {val_every}th document for validation, a source of "
+                         f"fewer than {val_every} documents its last: a lone document is for eval.py, not training)")
     offsets = np.cumsum([0] + [len(d) for d in docs])
     os.makedirs(cache_dir, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"      # per process: two runs preparing at once never share a file

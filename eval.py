@@ -292,6 +292,8 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
         print(f"window: {base.label} over the last W = {W:,} tokens of the same haystacks and question (a key wholly "
               f"before them is a miss without a forward):")
         print(heatmap(grids["window"], ns, ds, C))
+        if not any(cost[n, "window"]["forwards"] for n in ns):
+            print(f"  (no haystack holds a whole key in its last {W:,} tokens: the window row is 0% by construction)")
     if grids["full"]:
         inside = [n for n in ns if (n, ds[0]) in grids["full"]]
         print(f"full attention by {base.label} over the same haystacks (within its window of {cfg.max_seq_len:,} tokens):")

@@ -37,8 +37,9 @@ log_interval = 100
 eval_only = False
 # data
 task = "mixed"              # "lm" | "passkey" | "mixed" (passkey + language modeling, like the paper's SFT mix)
-data_dir = ""               # a folder of .txt files, a glob like dir/*_gut.txt, one file, "stdlib" (the standard
-                            # library's .py, also ""), "pydoc", or several joined by commas, drawn evenly (data.py)
+data_dir = ""               # a folder of .txt files, a glob like dir/*_gut.txt, "stdlib" (the standard library's
+                            # .py, also ""), "pydoc", or several joined by commas, drawn evenly (data.py); one file
+                            # is one document, held out for validation: eval.py reads it, training cannot
 tokenizer = "byte"          # "byte" | "gpt2" | a tokenizer.model / tokenizer.json path (a LLaMA folder brings its own)
 n_chunks = 4                # n: context chunks per training sample (X_C = n x C tokens)
 block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)

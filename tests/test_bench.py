@@ -71,3 +71,19 @@ def test_bench_shape_reads_only_a_config(tmp_path, capsys):
         parse_overrides(args, cfg, bench.__file__)
         with pytest.raises(SystemExit, match=msg):
             bench.main(cfg)
+
+
+def test_full_attention_scores_the_same_positions_as_sharedllm(monkeypatch):
+    # full attention reads X_C + X_D but, like SharedLLM, computes logits only for X_D's T positions: its time and
+    # memory must not include (L + T) x vocab logits that SharedLLM never computes
+    m = M.SharedLLM.from_llama(M.Llama(M.preset("tiny")), n_lower=2, chunk_size=256, height=3, beta=8).eval()
+    ctx, idx = bench.random_inputs(m, torch.Generator().manual_seed(0), 512, 8, "cpu")
+    with torch.no_grad():
+        shared = m(ctx, idx)[0].shape                           # (1, T, vocab)
+    shapes, forward = [], m.upper.forward
+    monkeypatch.setattr(m.upper, "forward", lambda *a, **k: shapes.append(forward(*a, **k)[0].shape) or (None, None))
+    g = dict(block_size=8, repeats=1, full_budget_s=1e9, full_budget_mb=1e9)
+    with torch.no_grad():
+        f_t, f_mb, skip, last = bench.full_attention(g, m, ctx, idx, 512, None, "cpu")
+    assert skip == "" and last[0] == 512 and shapes and all(s == shared == (1, 8, m.upper.cfg.vocab_size)
+                                                            for s in shapes)

@@ -120,7 +120,17 @@ def test_eval_prints_every_row_with_its_cost_and_refuses_a_window_shorter_than_k
         assert f"  {row} " in out
     assert res[0]["window_tokens"] == 70 and res[0]["full_attention"] == res[0]["window_attention"]   # 32 + 32 <= 70
     assert res[1]["full_attention"] != res[1]["window_attention"]                                     # 64 + 32 > 70
+    cfg = load_sharedllm(str(micro_ckpt))[0].upper.cfg   # none: the upper model over X_D, logits at all T = 32
+    assert all(r["cost"]["none"]["gflop_per_window"] == E.gflops(cfg, 32, 32) for r in res)
     assert "--window=8: expected -1" in error_of(E, common + ["--task=ppl", "--window=8"], tmp_path, monkeypatch)
+    # passkey: the window must hold the question and the key (X_D: 42 bytes, + 4 for a key that tokenizes longer)
+    least = E.passkey_xd(ByteTokenizer()) + E.XD_MARGIN
+    assert E.passkey_xd(ByteTokenizer()) == len(data.passkey_sample(ByteTokenizer(), random.Random(0), 1, 64)[1]) == 42
+    assert f"or at least {least} (the passkey question and key)" in error_of(
+        E, common + ["--task=passkey", f"--window={least - 1}"], tmp_path, monkeypatch)
+    E.main(parse_overrides(common + ["--task=passkey", f"--window={least}", "--samples=2", "--depths=0,1", "--chunks=2,4"],
+                           config_of(vars(E)), E.__file__))     # the least window holds no whole key: it says so
+    assert "the window row is 0% by construction" in capsys.readouterr().out
 
 
 def test_passkey_window_row_reads_only_keys_inside_its_window():
@@ -137,7 +147,8 @@ def test_passkey_window_row_reads_only_keys_inside_its_window():
         assert (acc, ran) == (want, 4 * int(want))
     # at the boundary: a window that starts on the needle's second mention of the key holds a whole copy and runs a
     # forward (the copier, which needs "The pass key is" before it, then misses); one token later it holds none (the
-    # first mention lies before it, the second is cut) and the haystack is a miss without a forward
+    # first mention lies before it, the second is cut) and the haystack is a miss without a forward. Every key here
+    # is 5 bytes = 5 tokens, so both mentions sit at the same offsets in every haystack of a batch
     ctx, idx, _, _ = data.passkey_sample(tok, random.Random(0), n, C, depth=1.0, key=12345)
     second = tok.decode(ctx.flatten().tolist()).rindex("12345") + 1     # + BOS: its token position in X_C
     for start, forwards in ((second, 4), (second + 1, 0)):
