@@ -346,8 +346,9 @@ def test_clamp_at_inference_uses_the_trained_distance(micro_ckpt, tmp_path, monk
         E, [f"--init_from={micro_ckpt}", "--chunk_ids=clamp", "--max_chunk_dist=-1"], tmp_path, monkeypatch)
 
 
-def test_full_attention_of_a_model_trained_from_scratch_says_what_it_is(micro_ckpt, capsys):
+def test_full_attention_of_a_model_trained_from_scratch_says_what_it_is(micro_ckpt, capsys, tmp_path, monkeypatch):
     # no unchanged base exists: the column is labelled as this checkpoint's own (trained) upper model
+    monkeypatch.chdir(tmp_path)   # its heatmap, passkey.png, goes to the working folder
     cfg = parse_overrides([f"--init_from={micro_ckpt}", "--task=passkey", "--chunks=2", "--full=True", "--samples=2",
                            "--depths=0", "--device=cpu"], config_of(vars(E)), E.__file__)
     res = E.main(cfg)
