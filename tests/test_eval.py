@@ -128,8 +128,8 @@ def test_eval_prints_every_row_with_its_cost_and_refuses_a_window_shorter_than_k
     assert E.passkey_xd(ByteTokenizer()) == len(data.passkey_sample(ByteTokenizer(), random.Random(0), 1, 64)[1]) == 42
     assert f"or at least {least} (the passkey question and key)" in error_of(
         E, common + ["--task=passkey", f"--window={least - 1}"], tmp_path, monkeypatch)
-    E.main(parse_overrides(common + ["--task=passkey", f"--window={least}", "--samples=2", "--depths=0,1", "--chunks=2,4"],
-                           config_of(vars(E)), E.__file__))     # the least window holds no whole key: it says so
+    E.main(parse_overrides(common + ["--task=passkey", f"--window={least}", "--samples=2", "--depths=0,1",
+                                     "--chunks=2,4"], config_of(vars(E)), E.__file__))   # no whole key: it says so
     assert "the window row is 0% by construction" in capsys.readouterr().out
 
 
@@ -224,7 +224,7 @@ def test_sample_and_eval_subprocesses(micro_ckpt, tmp_path):
         assert isinstance(r["with_context"], float) and isinstance(r["without_context"], float)
     out = run(common + ["--task=passkey", "--chunks=2,4", "--depths=0,1", "--samples=3", f"--out={tmp_path / 'pk.json'}"],
               tmp_path, cmd=SCRIPTS["eval.py"])
-    assert "depth \\ context" in out
+    assert "depth \\ context" in out and "window: " in out and "by construction" not in out   # its window holds keys
     res = json.load(open(tmp_path / "pk.json"))
     assert [(r["n_chunks"], r["depth"]) for r in res["results"]] == [(2, 0.0), (2, 1.0), (4, 0.0), (4, 1.0)]
     assert all(r["accuracy"] in (0, 1 / 3, 2 / 3, 1) for r in res["results"])

@@ -463,7 +463,8 @@ def test_the_smollm2_retrieval_recipe_trains_only_the_cross_attention(tmp_path, 
     ck, docs = tiny_llama_and_docs(tmp_path)
     searched = []   # the mean-embedding search, counted only in training steps (evaluations put the model in eval mode)
     policy = model.mean_embedding_policy
-    monkeypatch.setattr(model, "mean_embedding_policy", lambda llama, *a: searched.append(llama.training) or policy(llama, *a))
+    monkeypatch.setattr(model, "mean_embedding_policy",
+                        lambda llama, *a: searched.append(llama.training) or policy(llama, *a))
     train_in_process([os.path.join(ROOT, "config", "smollm2_retrieval_cpu.py"), f"--init_from={ck}",
                       f"--data_dir={docs}", "--n_lower=1", "--chunk_size=64", "--chunk_schedule=1:2",
                       "--beta_schedule=1:1", "--block_size=32", "--batch_size=2", "--max_iters=6", "--lm_from=3",
