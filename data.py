@@ -73,14 +73,12 @@ def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10, splits=("tra
     if len(sources) > 1 and "" in sources:   # "a,b," would quietly add the standard library
         raise ValueError(f"data_dir={data_dir!r}: an empty source between commas (the standard library is 'stdlib')")
     files = [corpus_files(src) for src in sources]
-    # the cache's name: the tokenizer and the files, and the sources' names where they change how files become
-    # documents (pydoc makes 4 of its one file; a path to that file is 1 document). Every key but the default's also
-    # carries the format's version, 2 since that change, so a cache written before it (where pydoc and a path to its
-    # file shared a name) is never read again. The default's key is unchanged.
+    # the cache's name: the tokenizer and the files; but for the default (whose name never changed), also the sources'
+    # names, which decide how files become documents (pydoc makes 4 of its one file, a path to that file 1), and the
+    # format's version, 2 since the names joined, so no cache written before (pydoc and its path shared one) is read
     default = sources in ([""], ["stdlib"])
     sig = json.dumps([tok.spec, [(f, os.path.getsize(f)) for fs in files for f in fs]]
-                     + ([sources] if len(sources) > 1 or sources == ["pydoc"] else []) + ([] if default else [2]),
-                     sort_keys=True)
+                     + ([] if default else [sources, 2]), sort_keys=True)
     key = hashlib.sha1(sig.encode()).hexdigest()[:12]
     dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
     out = {}
