@@ -127,14 +127,14 @@ def attention(path, weights, kvs_per_chunk, key_chunk=None, key_nodes=(), title=
             ax.axvspan(key_chunk * kvs_per_chunk - 0.5, (key_chunk + 1) * kvs_per_chunk - 0.5, color="cyan", alpha=0.25)
             mass = w[:, key_chunk * kvs_per_chunk:(key_chunk + 1) * kvs_per_chunk].sum(1)
             ax.set_title(f"cross-attention layer {j + 1}: weight on the key's chunk per head " +
-                         ", ".join(f"{m:.2f}" for m in mass), fontsize=9, loc="left")
+                         ", ".join(f"{m:.2f}" for m in mass), fontsize=9, loc="left", pad=3 + 10 * len(key_nodes))
         for k, (label, kvs) in enumerate(key_nodes):
             color = colors[k % len(colors)]
             ax.plot(kvs, [-0.7] * len(kvs), ls="none", marker="v", color=color, mec="k", mew=0.3, ms=5, clip_on=False,
                     label=f"{label}; per head " + ", ".join(f"{m:.2f}" for m in w[:, kvs].sum(1)))
-        if key_nodes:   # above the panel, right of its title: the triangles' key, with this layer's weights
-            ax.legend(loc="lower right", bbox_to_anchor=(1, 1.07), fontsize=7, frameon=False, handletextpad=0.3,
-                      borderaxespad=0)
+        if key_nodes:   # between the panel and its title (a line each): the triangles' key, with this layer's weights
+            ax.legend(loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=7, frameon=False, handletextpad=0.3,
+                      borderaxespad=0.2, labelspacing=0.2)
         ax.set_ylim(w.shape[0] - 0.5, -0.5)
         ax.set_yticks(range(w.shape[0]), [f"head {h}" for h in range(w.shape[0])], fontsize=7)
     axes[-1, 0].set_xlabel(f"compressed KVs, chunk by chunk in text order ({kvs_per_chunk} per chunk); shaded: the "
