@@ -248,32 +248,33 @@ def knob_rows(g, m, knob, values, ctx, idx, ql, dev, dt):
 def knob_tables(g, m, ctx, idx, ql, dev, dt):
     # 2. the appendix's knobs at one length -> {knob: rows}
     tables = [("n_lower", (1, 2) if g["quick"] else (1, 2, 4, 8)), ("beta", (1, 8, 64) if g["quick"] else (1, 2, 4, 8, 16, 32, 64)),
-              ("height", (1, 3) if g["quick"] else (1, 2, 3, 4)), ("policy", ("right", "query"))]
+              ("height", (1, 3) if g["quick"] else (1, 2, 3, 4)), ("policy", ("right", "query", "attention", "query_mean"))]
     print(f"\nknobs at {g['knob_length']:,} context tokens (others as above):")
     return {knob: knob_rows(g, m, knob, values, ctx, idx, ql, dev, dt) for knob, values in tables}
 
 
 def retrieval_overhead(g, m, ctx, idx, ql, dev):
-    # the overhead itself: right and query alternated, so that drift in the machine's speed hits both alike
-    # -> how much slower "query" is than "right", %
-    base = m.scfg
-    ts = {"right": [], "query": []}
-    with torch.no_grad():
-        for _ in range(max(3, 2 * g["repeats"])):
-            for p in ts:
-                m.scfg = M.SharedConfig(**{**base.__dict__, "policy": p})
-                sync(dev)
-                t = time.perf_counter()
-                m(ctx, idx, query_len=ql)
-                sync(dev)
-                ts[p].append(time.perf_counter() - t)
-    m.scfg = base
-    med = {p: sorted(v)[len(v) // 2] for p, v in ts.items()}
-    overhead = 100 * (med["query"] / med["right"] - 1)
-    print(f"  query-aware retrieval adds {overhead:.1f}% over 'right' at {g['knob_length']:,} context tokens, "
-          f"X_D = {g['block_size']} (alternated, median of {len(ts['right'])}: {med['right']:.4f} s vs "
-          f"{med['query']:.4f} s)")
-    return overhead
+    # what each query-aware search costs: "right" and the policy alternated, so that drift in the machine's speed hits
+    # both alike -> {policy: how much slower than "right", %}
+    base, out = m.scfg, {}
+    for policy in ("query", "attention", "query_mean"):
+        ts = {"right": [], policy: []}
+        with torch.no_grad():
+            for _ in range(max(3, 2 * g["repeats"])):
+                for p in ts:
+                    m.scfg = M.SharedConfig(**{**base.__dict__, "policy": p})
+                    sync(dev)
+                    t = time.perf_counter()
+                    m(ctx, idx, query_len=ql)
+                    sync(dev)
+                    ts[p].append(time.perf_counter() - t)
+        m.scfg = base
+        med = {p: sorted(v)[len(v) // 2] for p, v in ts.items()}
+        out[policy] = 100 * (med[policy] / med["right"] - 1)
+        print(f"  the {policy!r} search adds {out[policy]:.1f}% over 'right' at {g['knob_length']:,} context tokens, "
+              f"X_D = {g['block_size']} (alternated, median of {len(ts['right'])}: {med['right']:.4f} s vs "
+              f"{med[policy]:.4f} s)")
+    return out
 
 
 def results(g, name, dt, peak, sweep, overhead, knobs):
@@ -300,7 +301,7 @@ def main(g):
     m = build_checked(g, dev, dt)
     name, peak = describe(g, m, lengths, dev, dt)
     gen = torch.Generator().manual_seed(g["seed"])   # the random inputs, the same at every run
-    ql = torch.tensor([g["block_size"]], device=dev)   # X_D is the query (a question, as in QA) for the "query" policy
+    ql = torch.tensor([g["block_size"]], device=dev)   # X_D is the query (a question, as in QA) for a query-aware search
     sweep = length_sweep(g, m, lengths, gen, ql, peak, dev, dt)
     ctx, idx = random_inputs(m, gen, g["knob_length"], g["block_size"], dev)
     knobs = knob_tables(g, m, ctx, idx, ql, dev, dt)

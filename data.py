@@ -189,6 +189,26 @@ def passkey_sample(tok, rng, n_chunks, chunk_size, T=None, depth=None, key=None)
     return torch.tensor(ctx).view(n_chunks, chunk_size), idx, targets, len(question)
 
 
+def key_mentions(ctx, answer):
+    # where a haystack names its key: [start, end) of every run of the answer's token ids in ctx, a flat list of the
+    # context's tokens (the needle names the key twice; the answer's tokens are exactly the needle's: passkey_question)
+    k = len(answer)
+    return [(i, i + k) for i in range(len(ctx) - k + 1) if ctx[i:i + k] == answer]
+
+
+def key_placement(nodes, mentions, C):
+    # Where the context tree left the key of one haystack: "leaf" if one node of the finest level holds a whole
+    # mention (its finest KVs), "coarse" if every token of every mention sits in a level-1 node (the coarsest kept,
+    # where the search did not go), else "between". nodes: the preserved tree.Nodes of each of the haystack's chunks;
+    # mentions: [start, end) in the flattened context (key_mentions).
+    height = max(nd.level for chunk in nodes for nd in chunk)
+    holder = lambda p: next(nd for nd in nodes[p // C] if nd.start <= p % C < nd.end)   # (chunk is p // C)
+    if any(holder(a) is holder(b - 1) and (a // C == (b - 1) // C) and holder(a).level == height
+           for a, b in mentions):
+        return "leaf"
+    return "coarse" if all(holder(p).level == 1 for a, b in mentions for p in range(a, b)) else "between"
+
+
 def collate(samples, tok):
     # samples -> context (B, n, C), idx (B, T), targets (B, T), query_len (B,). Passkey samples made without a T are as
     # long as their question and key, and a key can take more tokens in one sample than in another (GPT-2 BPE: 2 or 3):

@@ -51,7 +51,7 @@ batch_size = 8
 # ablations: inference-time SharedLLM settings (0 / "" = as trained); noise and M need their own training run
 height = 0                  # tree height h
 beta = 0                    # compression C / KVs kept per chunk
-policy = ""                 # "right" (retrieval off) | "query" | "query_mean" (beyond the paper: mean embeddings)
+policy = ""                 # "right" (retrieval off) | "query" | "attention" | "query_mean" (model.py: beyond the paper)
 chunk_ids = ""              # "plain" | "clamp" | "off" ("random" is read like plain: at inference they are the same)
 max_chunk_dist = 0          # "clamp": the largest chunk distance; 0 = the checkpoint's own (else its n_chunks)
 keep = ""                   # "last" | "first" token of each stride window
@@ -195,10 +195,11 @@ def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, d
     # A fixed seed per cell, so every setting sees the same keys and positions. full: the base model reads the
     # haystack and the question as one sequence instead; window: only their last `window` tokens, and a haystack whose
     # window holds no whole copy of the key (it lies before them, or they cut it) is a miss without a forward; none:
-    # the upper model reads the question alone. -> (accuracy, forwards)
+    # the upper model reads the question alone. -> (accuracy, forwards, where SharedLLM's search left the keys: the
+    # share of haystacks whose key a leaf holds whole, "leaf", or only the coarsest node, "coarse": data.key_placement)
     rng = random.Random(f"{seed}-{n}-{depth}")
     lo, hi = max(0.0, depth - band / 2), min(1.0, depth + band / 2)
-    hits, ran = 0, 0
+    hits, ran, found = 0, 0, dict(leaf=0, between=0, coarse=0)
     for i in range(0, samples, batch_size):
         b = [data.passkey_sample(tok, rng, n, C, depth=rng.uniform(lo, hi)) for _ in range(min(batch_size, samples - i))]
         ctx, idx, tgt, ql = (t.to(dev) for t in data.collate(b, tok))
@@ -210,12 +211,19 @@ def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, d
             if not len(seq):
                 continue
             logits, _ = model.upper(seq, last=idx.shape[1])
-        else:
-            logits, _ = model(None if none else ctx, idx, query_len=ql)
+        elif none:
+            logits, _ = model(None, idx)
+        else:   # SharedLLM, and where its search left each key
+            memory = model.compress(ctx, idx, ql)
+            logits, _ = model.upper(idx, memory=memory)
+            for i, (row, t) in enumerate(zip(ctx.flatten(1).tolist(), tgt)):
+                where = data.key_placement(memory.nodes[i * n:(i + 1) * n],
+                                           data.key_mentions(row, t[t != -100].tolist()), C)
+                found[where] += 1
         scored = tgt != -100
         hits += ((logits.argmax(-1) == tgt) | ~scored).all(-1).sum().item()
         ran += len(tgt)
-    return hits / samples, ran
+    return hits / samples, ran, {k: v / samples for k, v in found.items()}
 
 
 def passkey_xd(tok):
@@ -255,7 +263,7 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
     ds, W, cfg = [float(x) for x in g["depths"].split(",")], g["window"], model.upper.cfg
     xd = passkey_xd(tok)
     question = xd + XD_MARGIN   # X_D at its longest
-    grids, res, cost = {"none": {}, "SharedLLM": {}, "window": {}, "full": {}}, [], {}
+    grids, res, cost, found = {"none": {}, "SharedLLM": {}, "window": {}, "full": {}}, [], {}, {}
     for n in ns:
         rows = {"none": dict(model=model, none=True), "SharedLLM": dict(model=model)}
         if W:
@@ -269,10 +277,12 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
                 continue
             t0, ran = time.time(), 0
             for d in ds:
-                grids[name][n, d], r = passkey_accuracy(how["model"], tok, n, C, d, band(g, ds), g["samples"],
-                                                        g["batch_size"], g["seed"], dev, how.get("full", False),
-                                                        how.get("window", 0), how.get("none", False))
+                grids[name][n, d], r, where = passkey_accuracy(how["model"], tok, n, C, d, band(g, ds), g["samples"],
+                                                               g["batch_size"], g["seed"], dev, how.get("full", False),
+                                                               how.get("window", 0), how.get("none", False))
                 ran += r
+                if name == "SharedLLM":
+                    found[n, d] = where
             L = {"none": xd, "SharedLLM": xd, "window": min(W, n * C + xd)}.get(name, n * C + xd)   # tokens through it
             kv = n * (C // model.scfg.beta) if name == "SharedLLM" else 0
             gf = gflops(cfg, L, xd, n * C if name == "SharedLLM" else 0, model.scfg.n_lower if kv else 0, kv)
@@ -282,10 +292,14 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
                             accuracy=grids["SharedLLM"][n, d], without_context=grids["none"][n, d],
                             window_attention=grids["window"].get((n, d)),
                             window_tokens=W or None, full_attention=grids["full"].get((n, d)),
+                            key_in_leaf=found[n, d]["leaf"], key_in_coarse_only=found[n, d]["coarse"],
                             cost={k: v for (m, k), v in cost.items() if m == n}))
     print(f"passkey: {g['samples']} haystacks per cell, exact match of all 5 digits (= greedy decoding); "
           f"key at depth d +- {band(g, ds) / 2:g} (uniform) of n chunks x C = {C} tokens")
     print(heatmap(grids["SharedLLM"], ns, ds, C))
+    mean = lambda n, k: 100 * sum(found[n, d][k] for d in ds) / len(ds)
+    print(f"the search ({model.scfg.policy!r}): a leaf holds a whole mention of the key / only the coarse node holds "
+          "it: " + ", ".join(f"{n * C:,} tokens {mean(n, 'leaf'):.1f}% / {mean(n, 'coarse'):.1f}%" for n in ns))
     print("none (the upper model on the question alone): " + ", ".join(
         f"{n * C:,} tokens {100 * sum(grids['none'][n, d] for d in ds) / len(ds):.1f}%" for n in ns))
     if W:
@@ -339,7 +353,11 @@ def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
         base, _ = score_ppl(model, splits["val"], windows, ns[0], C, T, K, "none", g["batch_size"], dev)
         print(f"  ppl with the context, last-K protocol: {len(windows)} windows, K = {K} of T = {T} "
               f"(the same tokens without the context: {base:.4f})")
-    print(f"{'setting':<30}" + "".join(f"{'passkey@' + str(n):>12}" for n in ns if pk)
+    if pk:
+        print("  leaf@n / coarse@n: the share of haystacks where a leaf of the tree holds a whole mention of the key, "
+              "and where only the coarsest node holds it")
+    print(f"{'setting':<30}" + "".join(f"{'passkey@' + str(n):>12}{'leaf@' + str(n):>9}{'coarse@' + str(n):>10}"
+                                       for n in ns if pk)
           + "".join(f"{'ppl@' + str(n):>10}" for n in ns if lm))
     res = []
     for name, m, over in rows:
@@ -353,14 +371,18 @@ def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
         for n in ns:
             r = dict(n_chunks=n, context_tokens=n * C)
             if pk:
-                r["passkey"] = sum(passkey_accuracy(m, tok, n, C, d, band(g, ds), g["samples"], g["batch_size"],
-                                                    g["seed"], dev)[0] for d in ds) / len(ds)
+                cells = [passkey_accuracy(m, tok, n, C, d, band(g, ds), g["samples"], g["batch_size"], g["seed"], dev)
+                         for d in ds]
+                r["passkey"] = sum(c[0] for c in cells) / len(ds)
+                r["key_in_leaf"] = sum(c[2]["leaf"] for c in cells) / len(ds)
+                r["key_in_coarse_only"] = sum(c[2]["coarse"] for c in cells) / len(ds)
             if lm:
                 r["with_context"], _ = score_ppl(m, splits["val"], windows, n, C, T, K, "compressed", g["batch_size"], dev)
                 r["without_context"] = base
             row["results"].append(r)
         m.scfg = trained
-        print(f"{name:<30}" + "".join(f"{100 * r['passkey']:11.1f}%" for r in row["results"] if pk)
+        print(f"{name:<30}" + "".join(f"{100 * r['passkey']:11.1f}%{100 * r['key_in_leaf']:8.1f}%"
+                                      f"{100 * r['key_in_coarse_only']:9.1f}%" for r in row["results"] if pk)
               + "".join(f"{r['with_context']:10.4f}" for r in row["results"] if lm), flush=True)
         res.append(row)
     return res

@@ -369,7 +369,8 @@ class SharedConfig:
     beta: int = 8             # overall compression: C / (KVs kept per chunk)
     policy: str = "query"     # which child to expand: "query" (cosine with the query; a row with no query, as in
                               # language modeling, goes right) or "right" (always the most recent half: the paper's LM);
-                              # "query_mean": the query's and each child's mean token embedding (beyond the paper)
+                              # beyond the paper: "attention" (the child the question's cross-attention query reads
+                              # most) and "query_mean" (mean token embeddings)
     noise: float = 0.0        # the split noise: eps ~ N(0, sigma^2) in training with sigma = l / noise (l: the node's
                               # length; the paper's table: l/5 LM, l/10 SFT), so LARGER means LESS noise; 0 = exact halves
     chunk_ids: str = "random" # chunk-level position ids in cross-attention (Eq. 2): "plain" (the paper: keys of chunk i
@@ -388,7 +389,7 @@ class SharedConfig:
     def __post_init__(self):
         if isinstance(self.chunk_ids, bool):   # older checkpoints and code said True / False
             self.chunk_ids = "plain" if self.chunk_ids else "off"
-        for name, allowed in [("policy", ("right", "query", "query_mean")), ("keep", ("last", "first")),
+        for name, allowed in [("policy", ("right", "query", "query_mean", "attention")), ("keep", ("last", "first")),
                               ("chunk_ids", ("plain", "clamp", "random", "off")),
                               ("inject", ("bottom", "top", "interleaved")), ("lower", ("shared", "copy"))]:
             if getattr(self, name) not in allowed:
@@ -453,10 +454,14 @@ class SharedLLM(nn.Module):
         return [p for n, p in low.named_parameters() if n.startswith("tok_embeddings")
                 or (n.startswith("layers.") and int(n.split(".")[1]) < self.scfg.n_lower and ".cross_" not in n)]
 
-    def forward(self, context, idx, targets=None, query_len=None):
+    def forward(self, context, idx, targets=None, query_len=None, key_at=None):
         # context: (B, n, C) or None; idx, targets: (B, T) -> logits (B, T, vocab), loss
+        # key_at: (B, n*C) bool, training only, where the answer stands in X_C: adds search_loss
         memory = None if context is None or context.shape[1] == 0 else self.compress(context, idx, query_len)
-        return self.upper(idx, targets, memory=memory)
+        logits, loss = self.upper(idx, targets, memory=memory)
+        if key_at is not None:
+            loss = loss + search_loss(self, context, idx, query_len, key_at)
+        return logits, loss
 
     @torch.no_grad()
     def generate(self, context, idx, max_new_tokens, query_len=None, **sampling):
@@ -481,6 +486,10 @@ class SharedLLM(nn.Module):
                 # batched encoding reuses them for the nodes it keeps
                 first_kv = first_layer_kv(self.lower_model(), rows.reshape(-1))   # (B*n*C, Hkv, hd) each
                 decide = self.query_policy(rows, idx, query_len, first_kv)        # 1. the query-aware policy
+            elif self.scfg.policy == "attention" and query_len is not None and bool((query_len > 0).any()):
+                # (beyond the paper) first_kv as for "query"
+                first_kv = first_layer_kv(self.lower_model(), rows.reshape(-1))
+                decide = attention_policy(self.upper, rows, idx, query_len, first_kv[0])
             elif self.scfg.policy == "query_mean" and query_len is not None and bool((query_len > 0).any()):
                 decide = mean_embedding_policy(self.lower_model(), rows, idx, query_len)   # (beyond the paper)
             noise = self.scfg.noise if self.training else 0.0
@@ -663,6 +672,15 @@ def retrieval_vector(llama, tokens, ends, starts=None, kv=None):
     return llama.norm(x + layer.feed_forward(layer.ffn_norm(x)))
 
 
+def retrieval_vector_reference(llama, span):
+    # The same vector, the obvious way (retrieval_vector is tested equal to it): the span (L,)
+    # read as a sequence of its own by the first block, then the final norm, at its last position
+    # -> (dim,)
+    pos = torch.arange(len(span), device=span.device)
+    x = llama.layers[0](llama.tok_embeddings(span[None]), llama.rope(pos))
+    return llama.norm(x)[0, -1]
+
+
 def to_device(values, device):
     # a small index list made on the host, sent without waiting for the device: torch.tensor(values, device="cuda")
     # would first wait for all queued GPU work (a host sync per tree level and per encoding call)
@@ -682,8 +700,8 @@ def gather_spans(rows, row_ids, spans):
 # -----------------------------------------------------------------------------
 # Options beyond the paper, each a SharedConfig setting; docs/differences.md says what it changes and what it
 # measured. One of them is on by default: chunk_ids="clamp" (the paper's Eq. 2 is chunk_ids="plain"); the others
-# (random ids, log-n scaling, inject top / interleaved, lower="copy", keep="first", policy="query_mean") are off
-# unless named.
+# (random ids, log-n scaling, inject top / interleaved, lower="copy", keep="first", policy="attention" and
+# "query_mean") are off unless named.
 
 
 def mean_embedding_policy(llama, rows, idx, query_len):
@@ -711,6 +729,76 @@ def mean_embedding_policy(llama, rows, idx, query_len):
         right_closer = F.cosine_similarity(q, right, dim=-1) > F.cosine_similarity(q, left, dim=-1)
         return [go or nq for go, nq in zip(right_closer.tolist(), no_query)]
     return decide
+
+
+def cross_query(llama, idx, last):
+    # The question's query in the first cross-attention layer: what the upper model asks of the
+    # compressed context, at the question's last token.
+    # idx: (B, T) X_D; last: (B,) that token's position -> (B, Hq, hd), NOT rotated.
+    i0 = next(i for i, blk in enumerate(llama.layers) if blk.cross_src == 0)   # reads lower layer 0
+    rope = llama.rope(torch.arange(idx.shape[1], device=idx.device))
+    x = llama.tok_embeddings(idx)
+    for blk in llama.layers[:i0]:   # the layers below it (none when the bottom M cross-attend)
+        x = blk(x, rope)
+    blk = llama.layers[i0]
+    x = x + blk.attention(blk.attention_norm(x), rope)          # its self-attention, then
+    x = blk.cross_norm(x[torch.arange(idx.shape[0]), last])     # (B, dim) at the last token
+    q = blk.cross_attention.wq(x)[:, None]                      # (B, 1, Hq * hd)
+    return split_heads(q, blk.cross_attention.n_heads, llama.cfg.head_dim)[:, :, 0]
+
+
+def attention_policy(llama, rows, idx, query_len, k0):
+    # policy="attention": expand the child that the model itself would read. The question's
+    # cross-attention query (cross_query) is scored against the first lower layer's key of every
+    # context token, by content alone (neither is rotated). Were a head to read both children
+    # uncompressed, its softmax would split between them; the tree expands the child that gets the
+    # larger share, averaged over heads. No new weights: training the cross-attention trains it.
+    # Prefix sums give every span's share at once.
+    # rows: (R, C), R = B*n; idx: (B, T); query_len: (B,) on the host;
+    # k0: the first lower layer's K before RoPE of every context token, (R*C, Hkv, hd)
+    # -> decide(level, lefts, rights)
+    R, C = rows.shape
+    n, Hkv, hd = R // idx.shape[0], k0.shape[1], k0.shape[2]
+    no_query = (query_len == 0).repeat_interleave(n).tolist()
+    with torch.no_grad():
+        last = (query_len - 1).clamp(min=0).to(idx.device)
+        q = cross_query(llama, idx, last).float()                          # (B, Hq, hd)
+        q = q.repeat_interleave(n, dim=0).view(R, 1, Hkv, -1, hd)          # (R, 1, Hkv, G, hd)
+        k = k0.float().view(R, C, Hkv, 1, hd)                              # (R, C, Hkv, 1, hd)
+        s = (q * k).sum(-1).flatten(2) / math.sqrt(hd)                     # (R, C, Hq) scores
+        w = (s - s.amax(1, keepdim=True)).exp().double()                   # softmax numerators
+        prefix = F.pad(w.cumsum(1), (0, 0, 1, 0))                          # (R, C+1, Hq)
+
+    def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
+        b = to_device([[*lf, *rt] for lf, rt in zip(lefts, rights)], rows.device)   # (R, 4)
+        r = torch.arange(R, device=rows.device)
+        left = prefix[r, b[:, 1]] - prefix[r, b[:, 0]]                     # (R, Hq) mass per head
+        right = prefix[r, b[:, 3]] - prefix[r, b[:, 2]]
+        share = (right / (left + right)).mean(-1)                          # (R,) right's mean share
+        return [go or nq for go, nq in zip((share > 0.5).tolist(), no_query)]
+    return decide
+
+
+def search_scores(llama, lower, context, idx, query_len):
+    # the scores policy="attention" compares, for every context token at once and with gradients:
+    # context (B, n, C), idx (B, T), query_len (B,) -> (B, n*C, Hq), content only (no rotation)
+    B = context.shape[0]
+    k0 = first_layer_kv(lower, context.reshape(B, -1))[0]                    # (B, n*C, Hkv, hd)
+    last = (torch.as_tensor(query_len).to(idx.device) - 1).clamp(min=0)
+    q = cross_query(llama, idx, last)                                         # (B, Hq, hd)
+    q = q.view(B, 1, k0.shape[2], -1, k0.shape[3])                            # (B, 1, Hkv, G, hd)
+    return (q * k0[:, :, :, None]).sum(-1).flatten(2) / math.sqrt(k0.shape[3])
+
+
+def search_loss(model, context, idx, query_len, key_at):
+    # policy="attention" trained where the answer is known: the question's attention over the whole
+    # context (search_scores, a softmax per head) should fall on the tokens of the answer
+    # (key_at: (B, n*C) bool), as a retriever is trained on passages that hold the answer. Without
+    # it the search follows whatever the first cross-attention layer reads, which on some seeds is
+    # not the key (docs/experiments.md). -> mean over rows and heads of -log(mass on the answer)
+    logp = search_scores(model.upper, model.lower_model(), context, idx, query_len).log_softmax(1)
+    mass = logp.masked_fill(~key_at[..., None], float("-inf")).logsumexp(1)  # (B, Hq)
+    return -mass.mean()
 
 
 def other_chunk_positions(scfg, B, n, device, training):

@@ -49,8 +49,11 @@ n_lower = 2                 # M: lower-model layers = cross-attention layers
 chunk_size = 128            # C
 height = 3                  # tree height h
 beta = 8                    # compression: C / KVs kept per chunk
-policy = "query"            # "right" | "query" (query: the passkey question steers each tree toward the key) |
-                            # "query_mean" (beyond the paper: mean token embeddings; model.py says why)
+policy = "query"            # "right" | "query" (the paper's: the passkey question's vector steers each tree) |
+                            # "attention" (beyond the paper: the child the question's cross-attention query reads
+                            # most; docs/experiments.md measures it) | "query_mean" (SmolLM2's retrieval recipe)
+search_loss = False         # policy "attention": in passkey batches, also train the question's attention over X_C
+                            # to land on the answer's tokens (model.search_loss; its loss is in the passkey loss)
 noise = 0.0                 # training split noise gamma: sigma = l / gamma, so larger = less noise; 0 = off (paper: 5, 10)
 chunk_ids = "random"        # chunk-level position ids: "plain" (paper) | "clamp" (plain up to max_chunk_dist, farther
                             # chunks at that distance: extrapolates) | "random" (random ids in training) | "off"
@@ -171,10 +174,10 @@ def main():
         n = scheduled(chunk_pairs, iter_num, n_chunks)
         raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # an inference-time setting: no new weights
         for micro in range(gradient_accumulation_steps):
-            kind, (ctx, idx, tgt, ql) = next_batch(rng, iter_num, tok, splits, n, dev)
+            kind, (ctx, idx, tgt, ql, key_at) = next_batch(rng, iter_num, tok, splits, n, dev)
             sync = nullcontext() if not ddp or micro == gradient_accumulation_steps - 1 else model.no_sync()
             with sync, autocast:
-                _, loss = model(ctx, idx, tgt, ql)
+                _, loss = model(ctx, idx, tgt, ql, key_at)
             nonfinite |= ~torch.isfinite(loss.detach())   # on the device: read at the next log line or checkpoint
             loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
             loss_n[kind] = loss_n.get(kind, 0) + 1
@@ -397,10 +400,17 @@ def next_batch(rng, iter_num, tok, splits, n, dev):
         kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"   # one kind per batch
     T = block_size if kind == "lm" or pad_passkeys else None
     ctx, idx, tgt, ql = data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size, T)
+    key_at = None
+    if kind == "passkey" and search_loss and policy == "attention":   # where the answer stands in X_C
+        key_at = torch.zeros(ctx.shape[0], ctx[0].numel(), dtype=torch.bool)
+        for i, (row, t) in enumerate(zip(ctx.flatten(1).tolist(), tgt)):
+            for a, b in data.key_mentions(row, t[t != -100].tolist()):
+                key_at[i, a:b] = True
+        key_at = key_at.to(dev)
     ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)   # query lengths stay on the host: the tree reads them
     if kind == "lm" and context_dropout > 0 and rng.random() < context_dropout:
         ctx = None
-    return kind, (ctx, idx, tgt, ql)
+    return kind, (ctx, idx, tgt, ql, key_at)
 
 
 def parse_schedule(name, spec):   # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)]
@@ -564,15 +574,20 @@ def evaluate(raw, tok, splits, counts, lm_eval_counts, iters, iter_num, dev, aut
     for n in counts:
         erng = random.Random(1000 + n)
         if task in ("passkey", "mixed"):
-            hits = [0, 0]
+            hits, found = [0, 0], dict(leaf=0, between=0, coarse=0)
             for _ in range(iters):
-                batch = [t.to(dev) for t in data.get_batch("passkey", batch_size, erng, tok, splits, n, chunk_size, None)]
-                for j, ctx in enumerate((batch[0], None)):   # with the context, then the upper model alone
-                    with autocast:
-                        logits, _ = raw(ctx, batch[1], query_len=batch[3])
-                    scored = batch[2] != -100
-                    hits[j] += ((logits.argmax(-1) == batch[2]) | ~scored).all(-1).sum().item()
+                ctx, idx, tgt, ql = [t.to(dev) for t in data.get_batch("passkey", batch_size, erng, tok, splits, n,
+                                                                       chunk_size, None)]
+                with autocast:
+                    memory = raw.compress(ctx, idx, ql)                 # with the context (SharedLLM), then
+                    both = raw.upper(idx, memory=memory)[0], raw.upper(idx)[0]   # the upper model alone
+                for j, logits in enumerate(both):
+                    hits[j] += ((logits.argmax(-1) == tgt) | (tgt == -100)).all(-1).sum().item()
+                for i, (row, t) in enumerate(zip(ctx.flatten(1).tolist(), tgt)):   # where the search left the key
+                    mentions = data.key_mentions(row, t[t != -100].tolist())
+                    found[data.key_placement(memory.nodes[i * n:(i + 1) * n], mentions, chunk_size)] += 1
             out[f"passkey@{n}"], out[f"passkey_noctx@{n}"] = (h / (iters * batch_size) for h in hits)
+            out[f"leaf@{n}"], out[f"coarse@{n}"] = (found[k] / (iters * batch_size) for k in ("leaf", "coarse"))
         if lm_batches and n in lm_counts:
             losses = [0.0, 0.0]
             for batch in lm_batches:

@@ -143,7 +143,7 @@ def test_passkey_window_row_reads_only_keys_inside_its_window():
                                                                 query_len=torch.ones(len(seq), dtype=torch.long)))
     n, C, W = 8, 64, 300
     for depth, want in ((0.0, 0.0), (1.0, 1.0)):   # the key at the start of 512 tokens: outside; at the end: inside
-        acc, ran = E.passkey_accuracy(base, tok, n, C, depth, 0.0, 4, 2, 0, "cpu", window=W)
+        acc, ran, _ = E.passkey_accuracy(base, tok, n, C, depth, 0.0, 4, 2, 0, "cpu", window=W)
         assert (acc, ran) == (want, 4 * int(want))
     # at the boundary: a window that starts on the needle's second mention of the key holds a whole copy and runs a
     # forward (the copier, which needs "The pass key is" before it, then misses); one token later it holds none (the
@@ -152,7 +152,7 @@ def test_passkey_window_row_reads_only_keys_inside_its_window():
     ctx, idx, _, _ = data.passkey_sample(tok, random.Random(0), n, C, depth=1.0, key=12345)
     second = tok.decode(ctx.flatten().tolist()).rindex("12345") + 1     # + BOS: its token position in X_C
     for start, forwards in ((second, 4), (second + 1, 0)):
-        acc, ran = E.passkey_accuracy(base, tok, n, C, 1.0, 0.0, 4, 2, 0, "cpu", window=n * C + len(idx) - start)
+        acc, ran, _ = E.passkey_accuracy(base, tok, n, C, 1.0, 0.0, 4, 2, 0, "cpu", window=n * C + len(idx) - start)
         assert (acc, ran) == (0.0, forwards), start
 
 

@@ -32,7 +32,7 @@ def data(B=2, n=3, T=20, C=64, seed=1):
 
 
 @pytest.mark.parametrize("lower", ["shared", "copy"])
-@pytest.mark.parametrize("policy", ["right", "query"])
+@pytest.mark.parametrize("policy", ["right", "query", "attention"])
 def test_untrained_sharedllm_equals_base_llama(lower, policy):
     s, ref = build(lower=lower, policy=policy)
     ctx, idx = data()
@@ -307,11 +307,11 @@ def test_retrieval_vec_is_the_first_layer_at_the_last_position():
         h = M.retrieval_vector(m, idx[:3], ends, starts)                            # two spans per row: (3, 2, dim)
         for r in range(3):
             for j in range(2):
-                alone = first_layer(idx[r:r + 1, starts[r, j]:ends[r, j] + 1])[0, -1]
+                alone = M.retrieval_vector_reference(m, idx[r, starts[r, j]:ends[r, j] + 1])
                 assert (h[r, j] - alone).abs().max() < 1e-5, (r, j)
 
 
-@pytest.mark.parametrize("policy", ["right", "query"])
+@pytest.mark.parametrize("policy", ["right", "query", "attention"])
 def test_compressed_kv_and_gradients_equal_encoding_each_node_alone(policy):
     # The query policy's search computes the first layer's K/V of the spans it compares and the encoding reuses
     # them (a left child is a prefix of its parent): values and gradients must equal each node encoded on its own.
@@ -355,7 +355,8 @@ def test_encoding_in_small_calls_changes_nothing(policy, monkeypatch):
         assert rel_err(K1, K2) < 1e-6 and rel_err(V1, V2) < 1e-6
 
 
-@pytest.mark.parametrize("policy,kw", [("query", dict(noise=5.0)), ("right", dict(noise=5.0)),
+@pytest.mark.parametrize("policy,kw", [("query", dict(noise=5.0)), ("attention", dict(noise=5.0)),
+                                       ("right", dict(noise=5.0)),
                                        ("query", dict(n_lower=1, beta=1, keep="first"))])
 def test_reference_encoding_equals_the_batched_one(policy, kw, monkeypatch):
     # model.ENCODE_PATH = "reference" encodes each preserved node on its own through the lower model's blocks and reads

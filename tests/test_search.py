@@ -1,0 +1,182 @@
+# The search (Step 1): where it leaves the key, measured on hand-made trees, and each query-aware policy's fast
+# path against its plain definition, one tree and one child at a time.
+import math
+
+import pytest
+import torch
+
+import data
+import model as M
+import tree
+from tree import Node
+
+
+def test_key_mentions_are_every_run_of_the_answer():
+    ctx = [1, 2, 3, 9, 1, 2, 3, 1, 2]
+    assert data.key_mentions(ctx, [1, 2, 3]) == [(0, 3), (4, 7)]
+    assert data.key_mentions(ctx, [7]) == []
+
+
+def test_key_placement_on_a_hand_made_tree():
+    # two chunks of C = 64, height 3: chunk 0 expanded right ([32, 64) then [48, 64) split in two leaves), chunk 1 left
+    C = 64
+    right = [Node(0, 32, 1, 4), Node(32, 48, 2, 4), Node(48, 56, 3, 4), Node(56, 64, 3, 4)]
+    left = [Node(0, 8, 3, 4), Node(8, 16, 3, 4), Node(16, 32, 2, 4), Node(32, 64, 1, 4)]
+    nodes = [right, left]
+    assert data.key_placement(nodes, [(49, 54)], C) == "leaf"                 # inside leaf [48, 56)
+    assert data.key_placement(nodes, [(53, 58)], C) == "between"              # straddles two leaves
+    assert data.key_placement(nodes, [(10, 20), (53, 58)], C) == "between"    # in level 2, or straddling
+    assert data.key_placement(nodes, [(5, 10), (53, 58)], C) == "between"
+    assert data.key_placement(nodes, [(5, 10), (64 + 2, 64 + 7)], C) == "leaf"   # chunk 1's leaf [0, 8)
+    assert data.key_placement(nodes, [(5, 10), (64 + 40, 64 + 45)], C) == "coarse"   # both in level-1 nodes
+    assert data.key_placement(nodes, [(30, 34)], C) == "between"              # level 1 and level 2
+    assert data.key_placement(nodes, [(62, 64 + 3)], C) == "between"          # across the chunk border
+
+
+def test_key_placement_of_a_real_haystack():
+    # a byte-level haystack searched "always right": the key is in a leaf exactly when the needle's digits sit there
+    tok = data_tok()
+    ctx, idx, tgt, ql = data.passkey_sample(tok, __import__("random").Random(0), 2, 128, depth=1.0)
+    answer = tgt[tgt != -100].tolist()
+    mentions = data.key_mentions(ctx.flatten().tolist(), answer)
+    assert len(mentions) == 2 and all(tok.decode(ctx.flatten()[a:b].tolist()).isdigit() for a, b in mentions)
+    nodes = tree.search(2, 128, 3, 8)
+    in_leaf = any(a // 128 == (b - 1) // 128 and a % 128 >= 96 and (a % 128 >= 112) == ((b - 1) % 128 >= 112)
+                  for a, b in mentions)
+    assert (data.key_placement(nodes, mentions, 128) == "leaf") == in_leaf
+
+
+def data_tok():
+    from tokenizer import ByteTokenizer
+    return ByteTokenizer()
+
+
+def build(policy, seed=0, inject="bottom"):
+    torch.manual_seed(seed)
+    base = M.Llama(M.preset("micro", n_layers=3)).eval()
+    s = M.SharedLLM.from_llama(base, n_lower=2, chunk_size=64, height=3, beta=4, policy=policy, chunk_ids="plain",
+                               inject=inject).eval()
+    for blk in s.upper.layers:   # a cross-attention query unlike the self-attention's it starts as
+        if blk.cross_attention is not None:
+            torch.nn.init.normal_(blk.cross_attention.wq.weight, std=0.3)
+    return s
+
+
+def walk(nodes, C=64):   # the expanded child at each level 1..h-1, read back from one tree's preserved nodes
+    out, (lo, hi) = [], (0, C)
+    for nd in sorted((nd for nd in nodes if nd.level < max(x.level for x in nodes)), key=lambda nd: nd.level):
+        mid = lo + (hi - lo) // 2
+        right = (nd.start, nd.end) == (lo, mid)
+        out.append(right)
+        lo, hi = (mid, hi) if right else (lo, mid)
+    return out
+
+
+@pytest.mark.parametrize("inject", ["bottom", "interleaved"])
+def test_attention_policy_is_the_share_of_the_questions_attention(inject):
+    # policy="attention": each tree expands the child that receives the larger share of the question's first
+    # cross-attention query's softmax over both children's first-layer keys (content only), averaged over heads
+    s = build("attention", inject=inject)
+    g = torch.Generator().manual_seed(1)
+    ctx, idx = torch.randint(0, 258, (2, 3, 64), generator=g), torch.randint(0, 258, (2, 20), generator=g)
+    ql = torch.tensor([12, 20])
+    low, up = s.upper, s.upper
+    i0 = M.injection_layers(3, 2, inject)[0]
+    blk, hd = up.layers[i0], up.cfg.head_dim
+    with torch.no_grad():
+        nodes = s.compress(ctx, idx, ql).nodes
+        rights = 0
+        for r, nds in enumerate(nodes):
+            b, row, (lo, hi) = r // 3, ctx[r // 3, r % 3], (0, 64)
+            # the question's query, the plain way: the whole upper model's layers below the first injection layer,
+            # then its self-attention, its cross_norm and wq at the last question token
+            x = up.tok_embeddings(idx[b:b + 1, :ql[b]])
+            rope = up.rope(torch.arange(ql[b]))
+            for layer in up.layers[:i0]:
+                x = layer(x, rope)
+            x = x + blk.attention(blk.attention_norm(x), rope)
+            q = blk.cross_attention.wq(blk.cross_norm(x[0, -1])).view(-1, hd)                 # (Hq, hd)
+            a0 = low.layers[0].attention
+            k = a0.wk(low.layers[0].attention_norm(low.tok_embeddings(row))).view(64, -1, hd)  # (C, Hkv, hd)
+            k = k.repeat_interleave(q.shape[0] // k.shape[1], dim=1)                          # (C, Hq, hd)
+            expect = []
+            for level in (1, 2):
+                mid = lo + (hi - lo) // 2
+                att = torch.einsum("hd,chd->hc", q, k[lo:hi]).div(math.sqrt(hd)).softmax(-1)  # (Hq, hi-lo)
+                right = att[:, mid - lo:].sum(-1).mean() > 0.5
+                expect.append(bool(right))
+                lo, hi = (mid, hi) if right else (lo, mid)
+            assert walk(nds) == expect, (r, walk(nds), expect)
+            rights += sum(expect)
+        assert 0 < rights < 12                                # both ways taken: the test can tell them apart
+        none = s.compress(ctx, idx, torch.tensor([0, 20])).nodes   # a row without a query goes right
+        assert all(walk(nds) == [True, True] for nds in none[:3]) and none[3:] == nodes[3:]
+
+
+def test_query_policy_equals_the_reference_vector():
+    # the paper's search (policy="query"): the fast batched vectors choose as the obvious ones do, child by child
+    s = build("query")
+    g = torch.Generator().manual_seed(2)
+    ctx, idx = torch.randint(0, 258, (2, 3, 64), generator=g), torch.randint(0, 258, (2, 20), generator=g)
+    ql = torch.tensor([9, 20])
+    up = s.upper
+    with torch.no_grad():
+        nodes = s.compress(ctx, idx, ql).nodes
+        for r, nds in enumerate(nodes):
+            b, row, (lo, hi) = r // 3, ctx[r // 3, r % 3], (0, 64)
+            q = M.retrieval_vector_reference(up, idx[b, :ql[b]])
+            expect = []
+            for level in (1, 2):
+                mid = lo + (hi - lo) // 2
+                cos = [torch.cosine_similarity(q, M.retrieval_vector_reference(up, row[a:e]), 0) for a, e in
+                       ((lo, mid), (mid, hi))]
+                expect.append(bool(cos[1] > cos[0]))
+                lo, hi = (mid, hi) if expect[-1] else (lo, mid)
+            assert walk(nds) == expect, (r, walk(nds), expect)
+
+
+def test_search_loss_is_the_questions_attention_on_the_answer():
+    # model.search_loss: per head, -log of the softmax mass (over every context token) that the question's
+    # cross-attention query puts on the answer's tokens, by content alone; averaged over rows and heads. Its
+    # gradient trains the search's query (the first cross-attention layer) and the first lower layer's keys.
+    s = build("attention")
+    s.train()
+    g = torch.Generator().manual_seed(3)
+    ctx, idx = torch.randint(0, 258, (2, 3, 64), generator=g), torch.randint(0, 258, (2, 20), generator=g)
+    ql = torch.tensor([12, 20])
+    key_at = torch.zeros(2, 192, dtype=torch.bool)
+    key_at[0, 70:75], key_at[1, 5:10], key_at[1, 150:155] = True, True, True
+    loss = M.search_loss(s, ctx, idx, ql, key_at)
+    up, hd = s.upper, s.upper.cfg.head_dim
+    blk, a0 = up.layers[0], up.layers[0].attention
+    expect = []
+    with torch.no_grad():
+        for b in range(2):
+            x = up.tok_embeddings(idx[b:b + 1, :ql[b]])
+            x = x + blk.attention(blk.attention_norm(x), up.rope(torch.arange(ql[b])))
+            q = blk.cross_attention.wq(blk.cross_norm(x[0, -1])).view(-1, hd)                    # (Hq, hd)
+            k = a0.wk(blk.attention_norm(up.tok_embeddings(ctx[b].flatten()))).view(192, -1, hd)
+            k = k.repeat_interleave(q.shape[0] // k.shape[1], dim=1)                             # (192, Hq, hd)
+            p = torch.einsum("hd,chd->hc", q, k).div(math.sqrt(hd)).softmax(-1)                  # (Hq, 192)
+            expect += (-p[:, key_at[b]].sum(-1).log()).tolist()
+    assert abs(loss.item() - sum(expect) / len(expect)) < 1e-5
+    loss.backward()
+    assert blk.cross_attention.wq.weight.grad.abs().sum() > 0 and up.tok_embeddings.weight.grad.abs().sum() > 0
+    assert up.layers[1].cross_attention.wq.weight.grad is None         # the search reads the first layer only
+    ctx_out = s(ctx, idx, None, ql)[1]
+    assert ctx_out is None                                              # no targets, no key_at: no loss at all
+
+
+def test_train_marks_where_the_answer_stands(monkeypatch):
+    # train.py's passkey batches carry key_at (the answer's tokens in X_C) only when the search is trained
+    import random
+    import train
+    tok = data_tok()
+    for name, value in dict(task="passkey", batch_size=3, chunk_size=64, pad_passkeys=False, policy="attention",
+                            search_loss=True).items():
+        monkeypatch.setattr(train, name, value)
+    kind, (ctx, idx, tgt, ql, key_at) = train.next_batch(random.Random(0), 0, tok, None, 2, "cpu")
+    assert kind == "passkey" and key_at.shape == (3, 128) and key_at.sum(1).tolist() == [10, 10, 10]   # 2 x 5 digits
+    assert all(tok.decode(row[m].tolist()).isdigit() for row, m in zip(ctx.flatten(1), key_at))
+    monkeypatch.setattr(train, "search_loss", False)
+    assert train.next_batch(random.Random(0), 0, tok, None, 2, "cpu")[1][4] is None
