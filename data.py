@@ -201,6 +201,8 @@ def key_placement(nodes, mentions, C):
     # mention (its finest KVs), "coarse" if every token of every mention sits in a level-1 node (the coarsest kept,
     # where the search did not go), else "between". nodes: the preserved tree.Nodes of each of the haystack's chunks;
     # mentions: [start, end) in the flattened context (key_mentions).
+    if not mentions:
+        raise ValueError("the haystack holds no mention of its key")
     height = max(nd.level for chunk in nodes for nd in chunk)
     holder = lambda p: next(nd for nd in nodes[p // C] if nd.start <= p % C < nd.end)   # (chunk is p // C)
     if any(holder(a) is holder(b - 1) and (a // C == (b - 1) // C) and holder(a).level == height

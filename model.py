@@ -460,7 +460,8 @@ class SharedLLM(nn.Module):
         memory = None if context is None or context.shape[1] == 0 else self.compress(context, idx, query_len)
         logits, loss = self.upper(idx, targets, memory=memory)
         if key_at is not None:
-            loss = loss + search_loss(self, context, idx, query_len, key_at)
+            found = search_loss(self, context, idx, query_len, key_at)
+            loss = found if loss is None else loss + found
         return logits, loss
 
     @torch.no_grad()
@@ -699,9 +700,9 @@ def gather_spans(rows, row_ids, spans):
 
 # -----------------------------------------------------------------------------
 # Options beyond the paper, each a SharedConfig setting; docs/differences.md says what it changes and what it
-# measured. One of them is on by default: chunk_ids="clamp" (the paper's Eq. 2 is chunk_ids="plain"); the others
-# (random ids, log-n scaling, inject top / interleaved, lower="copy", keep="first", policy="attention" and
-# "query_mean") are off unless named.
+# measured. One of them is on by default: chunk_ids="random" (the paper's Eq. 2 is chunk_ids="plain"); the others
+# (clamped ids, log-n scaling, inject top / interleaved, lower="copy", keep="first", policy="attention" with its
+# search_loss, policy="query_mean") are off unless named.
 
 
 def mean_embedding_policy(llama, rows, idx, query_len):
@@ -742,7 +743,7 @@ def cross_query(llama, idx, last):
         x = blk(x, rope)
     blk = llama.layers[i0]
     x = x + blk.attention(blk.attention_norm(x), rope)          # its self-attention, then
-    x = blk.cross_norm(x[torch.arange(idx.shape[0]), last])     # (B, dim) at the last token
+    x = blk.cross_norm(x[torch.arange(idx.shape[0], device=idx.device), last])   # (B, dim), last token
     q = blk.cross_attention.wq(x)[:, None]                      # (B, 1, Hq * hd)
     return split_heads(q, blk.cross_attention.n_heads, llama.cfg.head_dim)[:, :, 0]
 
@@ -763,10 +764,11 @@ def attention_policy(llama, rows, idx, query_len, k0):
     with torch.no_grad():
         last = (query_len - 1).clamp(min=0).to(idx.device)
         q = cross_query(llama, idx, last).float()                          # (B, Hq, hd)
-        q = q.repeat_interleave(n, dim=0).view(R, 1, Hkv, -1, hd)          # (R, 1, Hkv, G, hd)
-        k = k0.float().view(R, C, Hkv, 1, hd)                              # (R, C, Hkv, 1, hd)
-        s = (q * k).sum(-1).flatten(2) / math.sqrt(hd)                     # (R, C, Hq) scores
-        w = (s - s.amax(1, keepdim=True)).exp().double()                   # softmax numerators
+        q = q.repeat_interleave(n, dim=0).view(R, Hkv, -1, hd)             # (R, Hkv, G, hd)
+        k = k0.float().view(R, C, Hkv, hd)
+        s = torch.einsum("rkgd,rckd->rckg", q, k).flatten(2) / math.sqrt(hd)   # (R, C, Hq) scores
+        exact = torch.float32 if s.device.type == "mps" else torch.float64   # (MPS has no float64)
+        w = (s - s.amax(1, keepdim=True)).to(exact).exp()                  # softmax numerators
         prefix = F.pad(w.cumsum(1), (0, 0, 1, 0))                          # (R, C+1, Hq)
 
     def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
@@ -774,7 +776,7 @@ def attention_policy(llama, rows, idx, query_len, k0):
         r = torch.arange(R, device=rows.device)
         left = prefix[r, b[:, 1]] - prefix[r, b[:, 0]]                     # (R, Hq) mass per head
         right = prefix[r, b[:, 3]] - prefix[r, b[:, 2]]
-        share = (right / (left + right)).mean(-1)                          # (R,) right's mean share
+        share = (right / (left + right)).nan_to_num(0.5).mean(-1)         # (R,) right's mean share
         return [go or nq for go, nq in zip((share > 0.5).tolist(), no_query)]
     return decide
 
@@ -785,9 +787,10 @@ def search_scores(llama, lower, context, idx, query_len):
     B = context.shape[0]
     k0 = first_layer_kv(lower, context.reshape(B, -1))[0]                    # (B, n*C, Hkv, hd)
     last = (torch.as_tensor(query_len).to(idx.device) - 1).clamp(min=0)
-    q = cross_query(llama, idx, last)                                         # (B, Hq, hd)
-    q = q.view(B, 1, k0.shape[2], -1, k0.shape[3])                            # (B, 1, Hkv, G, hd)
-    return (q * k0[:, :, :, None]).sum(-1).flatten(2) / math.sqrt(k0.shape[3])
+    q = cross_query(llama, idx, last).float()                                 # (B, Hq, hd)
+    q = q.view(B, k0.shape[2], -1, k0.shape[3])                               # (B, Hkv, G, hd)
+    s = torch.einsum("bkgd,bckd->bckg", q, k0.float())                        # (B, n*C, Hkv, G)
+    return s.flatten(2) / math.sqrt(k0.shape[3])
 
 
 def search_loss(model, context, idx, query_len, key_at):

@@ -78,12 +78,13 @@ def final_eval(out_dir):
 
 
 def table(picked, cfg, walls):
-    # one row per seed: passkey and LM ratio at every evaluated length; then worst / median / best per column
+    # one row per seed: passkey, the search's leaf share (data.key_placement) and LM ratio at every evaluated length;
+    # then worst / median / best per column
     rows = {s: final_eval(os.path.join(cfg["out"], f"seed{s}")) for s in picked}
     done = {s: r for s, r in rows.items() if r is not None}
     if not done:
         raise SystemExit(f"--out={cfg['out']}: no run there has a final evaluation yet")
-    keys = [k for k in next(iter(done.values()))["eval"] if k.startswith(("passkey@", "ppl_ratio@"))]
+    keys = [k for k in next(iter(done.values()))["eval"] if k.startswith(("passkey@", "leaf@", "ppl_ratio@"))]
     print(f"\n{len(done)} of {len(picked)} seeds ({cfg['threads']} thread(s) each); final evaluation at iteration "
           f"{', '.join(sorted({str(r['iter']) for r in done.values()}))}")
     print("| seed | " + " | ".join(keys) + " | wall (training) |\n|---|" + "---|" * (len(keys) + 1))
@@ -100,15 +101,15 @@ def table(picked, cfg, walls):
 
 
 def fmt(key, v):
-    return "-" if v is None else (f"{100 * v:.1f}%" if key.startswith("passkey") else f"{v:.4f}")
+    return "-" if v is None else (f"{100 * v:.1f}%" if key.startswith(("passkey", "leaf")) else f"{v:.4f}")
 
 
-def worst(key, values):   # the lowest passkey accuracy, the highest LM ratio
-    return min(values) if key.startswith("passkey") else max(values)
+def worst(key, values):   # the lowest passkey accuracy (and leaf share), the highest LM ratio
+    return min(values) if key.startswith(("passkey", "leaf")) else max(values)
 
 
 def best(key, values):
-    return max(values) if key.startswith("passkey") else min(values)
+    return max(values) if key.startswith(("passkey", "leaf")) else min(values)
 
 
 def main():

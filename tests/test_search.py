@@ -25,7 +25,7 @@ def test_key_placement_on_a_hand_made_tree():
     nodes = [right, left]
     assert data.key_placement(nodes, [(49, 54)], C) == "leaf"                 # inside leaf [48, 56)
     assert data.key_placement(nodes, [(53, 58)], C) == "between"              # straddles two leaves
-    assert data.key_placement(nodes, [(10, 20), (53, 58)], C) == "between"    # in level 2, or straddling
+    assert data.key_placement(nodes, [(10, 20), (53, 58)], C) == "between"    # in level 1, and straddling
     assert data.key_placement(nodes, [(5, 10), (53, 58)], C) == "between"
     assert data.key_placement(nodes, [(5, 10), (64 + 2, 64 + 7)], C) == "leaf"   # chunk 1's leaf [0, 8)
     assert data.key_placement(nodes, [(5, 10), (64 + 40, 64 + 45)], C) == "coarse"   # both in level-1 nodes
@@ -40,10 +40,16 @@ def test_key_placement_of_a_real_haystack():
     answer = tgt[tgt != -100].tolist()
     mentions = data.key_mentions(ctx.flatten().tolist(), answer)
     assert len(mentions) == 2 and all(tok.decode(ctx.flatten()[a:b].tolist()).isdigit() for a, b in mentions)
-    nodes = tree.search(2, 128, 3, 8)
+    nodes = tree.search(2, 128, 3, 8)       # per chunk: [0, 64) level 1, [64, 96) level 2, two leaves of 16
     in_leaf = any(a // 128 == (b - 1) // 128 and a % 128 >= 96 and (a % 128 >= 112) == ((b - 1) % 128 >= 112)
                   for a, b in mentions)
     assert (data.key_placement(nodes, mentions, 128) == "leaf") == in_leaf
+    ctx, idx, tgt, ql = data.passkey_sample(tok, __import__("random").Random(0), 2, 128, depth=0.0)
+    mentions = data.key_mentions(ctx.flatten().tolist(), tgt[tgt != -100].tolist())
+    assert max(b for a, b in mentions) <= 64                      # the needle opens chunk 0: both mentions in [0, 64)
+    assert data.key_placement(nodes, mentions, 128) == "coarse"
+    with pytest.raises(ValueError, match="no mention of its key"):
+        data.key_placement(nodes, [], 128)
 
 
 def data_tok():
@@ -53,7 +59,7 @@ def data_tok():
 
 def build(policy, seed=0, inject="bottom"):
     torch.manual_seed(seed)
-    base = M.Llama(M.preset("micro", n_layers=3)).eval()
+    base = M.Llama(M.preset("micro", n_layers=4)).eval()   # interleaved: layers 1 and 3 cross-attend
     s = M.SharedLLM.from_llama(base, n_lower=2, chunk_size=64, height=3, beta=4, policy=policy, chunk_ids="plain",
                                inject=inject).eval()
     for blk in s.upper.layers:   # a cross-attention query unlike the self-attention's it starts as
@@ -81,7 +87,7 @@ def test_attention_policy_is_the_share_of_the_questions_attention(inject):
     ctx, idx = torch.randint(0, 258, (2, 3, 64), generator=g), torch.randint(0, 258, (2, 20), generator=g)
     ql = torch.tensor([12, 20])
     low, up = s.upper, s.upper
-    i0 = M.injection_layers(3, 2, inject)[0]
+    i0 = M.injection_layers(4, 2, inject)[0]
     blk, hd = up.layers[i0], up.cfg.head_dim
     with torch.no_grad():
         nodes = s.compress(ctx, idx, ql).nodes
@@ -108,6 +114,7 @@ def test_attention_policy_is_the_share_of_the_questions_attention(inject):
                 lo, hi = (mid, hi) if right else (lo, mid)
             assert walk(nds) == expect, (r, walk(nds), expect)
             rights += sum(expect)
+        assert i0 == (1 if inject == "interleaved" else 0)   # the layers below the first one run too
         assert 0 < rights < 12                                # both ways taken: the test can tell them apart
         none = s.compress(ctx, idx, torch.tensor([0, 20])).nodes   # a row without a query goes right
         assert all(walk(nds) == [True, True] for nds in none[:3]) and none[3:] == nodes[3:]
@@ -119,7 +126,7 @@ def test_query_policy_equals_the_reference_vector():
     g = torch.Generator().manual_seed(2)
     ctx, idx = torch.randint(0, 258, (2, 3, 64), generator=g), torch.randint(0, 258, (2, 20), generator=g)
     ql = torch.tensor([9, 20])
-    up = s.upper
+    up, rights = s.upper, 0
     with torch.no_grad():
         nodes = s.compress(ctx, idx, ql).nodes
         for r, nds in enumerate(nodes):
@@ -133,6 +140,8 @@ def test_query_policy_equals_the_reference_vector():
                 expect.append(bool(cos[1] > cos[0]))
                 lo, hi = (mid, hi) if expect[-1] else (lo, mid)
             assert walk(nds) == expect, (r, walk(nds), expect)
+            rights += sum(expect)
+    assert 0 < rights < 12                                    # both ways taken: the test can tell them apart
 
 
 def test_search_loss_is_the_questions_attention_on_the_answer():
@@ -161,10 +170,14 @@ def test_search_loss_is_the_questions_attention_on_the_answer():
             expect += (-p[:, key_at[b]].sum(-1).log()).tolist()
     assert abs(loss.item() - sum(expect) / len(expect)) < 1e-5
     loss.backward()
-    assert blk.cross_attention.wq.weight.grad.abs().sum() > 0 and up.tok_embeddings.weight.grad.abs().sum() > 0
+    assert blk.cross_attention.wq.weight.grad.abs().sum() > 0 and a0.wk.weight.grad.abs().sum() > 0   # query, keys
     assert up.layers[1].cross_attention.wq.weight.grad is None         # the search reads the first layer only
-    ctx_out = s(ctx, idx, None, ql)[1]
-    assert ctx_out is None                                              # no targets, no key_at: no loss at all
+    tgt = torch.randint(0, 258, (2, 20), generator=g)
+    with torch.no_grad():
+        assert s(ctx, idx, None, ql)[1] is None                         # no targets, no key_at: no loss at all
+        alone = s(ctx, idx, None, ql, key_at)[1]
+        both, text = s(ctx, idx, tgt, ql, key_at)[1], s(ctx, idx, tgt, ql)[1]
+    assert abs(alone.item() - loss.item()) < 1e-6 and abs(both.item() - (text + loss).item()) < 1e-5
 
 
 def test_train_marks_where_the_answer_stands(monkeypatch):

@@ -52,7 +52,7 @@ def test_log_file_schema_and_a_resumed_run_continues_it(micro_run):
         assert set(r) == {"iter", "loss", "lr", "ms_per_iter", "tok_per_s", "mfu", "peak_flops", "chunks", "beta", "minutes"}
         assert set(r["loss"]) <= {"passkey", "lm"} and all(v > 0 for v in r["loss"].values())
     assert "lm" in steps[-1]["loss"] and set(steps[0]["loss"]) == {"passkey"}   # text batches join at lm_from
-    assert set(evals[0]["eval"]) == {"passkey@2", "passkey_noctx@2"} and "ppl_ratio@2" in evals[1]["eval"]
+    assert set(evals[0]["eval"]) == {"passkey@2", "passkey_noctx@2", "leaf@2", "coarse@2"} and "ppl_ratio@2" in evals[1]["eval"]
     assert plots.read_log(str(micro_run / "out")) == (steps, evals)
 
 
