@@ -196,6 +196,17 @@ def key_mentions(ctx, answer):
     return [(i, i + k) for i in range(len(ctx) - k + 1) if ctx[i:i + k] == answer]
 
 
+def batch_mentions(ctx, tgt):
+    # key_mentions for every haystack of a batch: ctx (B, n, C), tgt (B, T) -> per haystack, [(start, end)]
+    return [key_mentions(row, t[t != -100].tolist()) for row, t in zip(ctx.flatten(1).tolist(), tgt)]
+
+
+def key_placements(nodes, ctx, tgt):
+    # key_placement for every haystack of a batch; nodes: the batch's Memory.nodes (B*n lists)
+    n, C = ctx.shape[1:]
+    return [key_placement(nodes[i * n:(i + 1) * n], m, C) for i, m in enumerate(batch_mentions(ctx, tgt))]
+
+
 def key_placement(nodes, mentions, C):
     # Where the context tree left the key of one haystack: "leaf" if one node of the finest level holds a whole
     # mention (its finest KVs), "coarse" if every token of every mention sits in a level-1 node (the coarsest kept,

@@ -216,9 +216,7 @@ def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, d
         else:   # SharedLLM, and where its search left each key
             memory = model.compress(ctx, idx, ql)
             logits, _ = model.upper(idx, memory=memory)
-            for i, (row, t) in enumerate(zip(ctx.flatten(1).tolist(), tgt)):
-                where = data.key_placement(memory.nodes[i * n:(i + 1) * n],
-                                           data.key_mentions(row, t[t != -100].tolist()), C)
+            for where in data.key_placements(memory.nodes, ctx, tgt):
                 found[where] += 1
         scored = tgt != -100
         hits += ((logits.argmax(-1) == tgt) | ~scored).all(-1).sum().item()

@@ -758,15 +758,11 @@ def attention_policy(llama, rows, idx, query_len, k0):
     # rows: (R, C), R = B*n; idx: (B, T); query_len: (B,) on the host;
     # k0: the first lower layer's K before RoPE of every context token, (R*C, Hkv, hd)
     # -> decide(level, lefts, rights)
-    R, C = rows.shape
-    n, Hkv, hd = R // idx.shape[0], k0.shape[1], k0.shape[2]
+    (R, C), B = rows.shape, idx.shape[0]
+    n = R // B
     no_query = (query_len == 0).repeat_interleave(n).tolist()
-    with torch.no_grad():
-        last = (query_len - 1).clamp(min=0).to(idx.device)
-        q = cross_query(llama, idx, last).float()                          # (B, Hq, hd)
-        q = q.repeat_interleave(n, dim=0).view(R, Hkv, -1, hd)             # (R, Hkv, G, hd)
-        k = k0.float().view(R, C, Hkv, hd)
-        s = torch.einsum("rkgd,rckd->rckg", q, k).flatten(2) / math.sqrt(hd)   # (R, C, Hq) scores
+    with torch.no_grad():   # one row of X_C per sample: its n chunks' tokens in order
+        s = search_scores(llama, idx, query_len, k0.view(B, n * C, *k0.shape[1:])).view(R, C, -1)
         exact = torch.float32 if s.device.type == "mps" else torch.float64   # (MPS has no float64)
         w = (s - s.amax(1, keepdim=True)).to(exact).exp()                  # softmax numerators
         prefix = F.pad(w.cumsum(1), (0, 0, 1, 0))                          # (R, C+1, Hq)
@@ -781,16 +777,14 @@ def attention_policy(llama, rows, idx, query_len, k0):
     return decide
 
 
-def search_scores(llama, lower, context, idx, query_len):
-    # the scores policy="attention" compares, for every context token at once and with gradients:
-    # context (B, n, C), idx (B, T), query_len (B,) -> (B, n*C, Hq), content only (no rotation)
-    B = context.shape[0]
-    k0 = first_layer_kv(lower, context.reshape(B, -1))[0]                    # (B, n*C, Hkv, hd)
+def search_scores(llama, idx, query_len, k0):
+    # the scores policy="attention" compares: the question's cross-attention query (cross_query)
+    # against the first lower layer's key of every context token, content only (no rotation).
+    # idx (B, T), query_len (B,), k0 (B, L, Hkv, hd) keys before RoPE -> (B, L, Hq), in fp32
+    B, L, Hkv, hd = k0.shape
     last = (torch.as_tensor(query_len).to(idx.device) - 1).clamp(min=0)
-    q = cross_query(llama, idx, last).float()                                 # (B, Hq, hd)
-    q = q.view(B, k0.shape[2], -1, k0.shape[3])                               # (B, Hkv, G, hd)
-    s = torch.einsum("bkgd,bckd->bckg", q, k0.float())                        # (B, n*C, Hkv, G)
-    return s.flatten(2) / math.sqrt(k0.shape[3])
+    q = cross_query(llama, idx, last).float().view(B, Hkv, -1, hd)            # (B, Hkv, G, hd)
+    return torch.einsum("bkgd,bckd->bckg", q, k0.float()).flatten(2) / math.sqrt(hd)
 
 
 def search_loss(model, context, idx, query_len, key_at):
@@ -799,7 +793,8 @@ def search_loss(model, context, idx, query_len, key_at):
     # (key_at: (B, n*C) bool), as a retriever is trained on passages that hold the answer. Without
     # it the search follows whatever the first cross-attention layer reads, which on some seeds is
     # not the key (docs/experiments.md). -> mean over rows and heads of -log(mass on the answer)
-    logp = search_scores(model.upper, model.lower_model(), context, idx, query_len).log_softmax(1)
+    k0 = first_layer_kv(model.lower_model(), context.reshape(len(context), -1))[0]   # (B, n*C, Hkv, hd)
+    logp = search_scores(model.upper, idx, query_len, k0).log_softmax(1)
     mass = logp.masked_fill(~key_at[..., None], float("-inf")).logsumexp(1)  # (B, Hq)
     return -mass.mean()
 

@@ -406,8 +406,8 @@ def next_batch(rng, iter_num, tok, splits, n, dev):
     key_at = None
     if kind == "passkey" and search_loss and policy == "attention":   # where the answer stands in X_C
         key_at = torch.zeros(ctx.shape[0], ctx[0].numel(), dtype=torch.bool)
-        for i, (row, t) in enumerate(zip(ctx.flatten(1).tolist(), tgt)):
-            for a, b in data.key_mentions(row, t[t != -100].tolist()):
+        for i, mentions in enumerate(data.batch_mentions(ctx, tgt)):
+            for a, b in mentions:
                 key_at[i, a:b] = True
         assert key_at.any(1).all(), "a passkey haystack without its key"
         key_at = key_at.to(dev)
@@ -587,9 +587,8 @@ def evaluate(raw, tok, splits, counts, lm_eval_counts, iters, iter_num, dev, aut
                     both = raw.upper(idx, memory=memory)[0], raw.upper(idx)[0]   # the upper model alone
                 for j, logits in enumerate(both):
                     hits[j] += ((logits.argmax(-1) == tgt) | (tgt == -100)).all(-1).sum().item()
-                for i, (row, t) in enumerate(zip(ctx.flatten(1).tolist(), tgt)):   # where the search left the key
-                    mentions = data.key_mentions(row, t[t != -100].tolist())
-                    found[data.key_placement(memory.nodes[i * n:(i + 1) * n], mentions, chunk_size)] += 1
+                for where in data.key_placements(memory.nodes, ctx, tgt):   # where the search left the key
+                    found[where] += 1
             out[f"passkey@{n}"], out[f"passkey_noctx@{n}"] = (h / (iters * batch_size) for h in hits)
             out[f"leaf@{n}"], out[f"coarse@{n}"] = (found[k] / (iters * batch_size) for k in ("leaf", "coarse"))
         if lm_batches and n in lm_counts:
