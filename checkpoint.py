@@ -51,6 +51,11 @@ def sharedllm_from_checkpoint(ck, ckpt_file, dtype=torch.float32):
     # light one (it has "base") holds only what trained: the rest comes from the base checkpoint it names, in `dtype`,
     # and only if that base is byte for byte the one it was trained on.
     args, state, base = ck["model_args"], ck["model"], ck.get("base")
+    # "inject" is gone: the bottom M layers cross-attend (the paper's, and what every recipe trained)
+    inject = args["shared"].pop("inject", "bottom")
+    if inject != "bottom":
+        raise ValueError(f"{ckpt_file}: trained with cross-attention in the {inject} layers (inject="
+                         f"{inject!r}), which this version no longer has; only the bottom M layers")
     scfg = M.SharedConfig(**args["shared"])
     if base:
         if not os.path.exists(base["path"]):

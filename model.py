@@ -2,19 +2,19 @@
 LLaMA-2 in one file, and SharedLLM built on top of it.
 
 SharedLLM ("Two Are Better than One", ICLR 2025) makes two models out of one LLaMA checkpoint:
-- the LOWER model (the bottom M layers) encodes the past context X_C, cut into chunks of C tokens. Each
-  chunk is a context tree (tree.py); each preserved node is encoded as its own sequence and keeps a few
-  of its per-layer key/value states (coarse for big nodes, fine for small ones);
-- the UPPER model (the whole LLaMA) reads the running text X_D and, in M of its layers (the bottom M by
-  default), cross-attends to those compressed key/values. Keys of chunk i sit at chunk position i and
-  every query at position n (n chunks), on top of the keys' own node-local rotation (paper Eq. 2).
+- the LOWER model (the bottom M layers) encodes the past context X_C, cut into chunks of C tokens.
+  Each chunk is a context tree (tree.py); each preserved node is encoded as its own sequence and
+  keeps a few of its per-layer key/value states (coarse for big nodes, fine for small ones);
+- the UPPER model (the whole LLaMA) reads the running text X_D and, in its bottom M layers,
+  cross-attends to those compressed key/values. Keys of chunk i sit at chunk position i and every
+  query at position n (n chunks), on top of the keys' own node-local rotation (paper Eq. 2).
 
 Notable features:
 - hand-written RoPE that takes explicit position ids (whole chunks can sit at one position);
-- one `attention` function that is the only place that knows about flash-attn / SDPA / manual softmax;
+- one `attention` function, the only place that knows flash-attn / SDPA / the manual softmax;
 - a KV cache for decoding; cross-attention keys/values are computed once per context;
 - runs on CPU (fp32) and CUDA (bf16) with no device-specific code in the modules.
-References: the paper (Sec. 3, Eq. 1-3, Algorithm 1); Meta's LLaMA-2 and Hugging Face modeling_llama.py.
+References: the paper (Sec. 3, Eq. 1-3, Algorithm 1); Meta's LLaMA-2 and HF's modeling_llama.py.
 """
 import copy
 import math
@@ -32,9 +32,12 @@ try:
     from flash_attn import flash_attn_func
 except ImportError:
     flash_attn_func = None
-ATTN_BACKEND = None         # force "flash" | "sdpa" | "manual" (tests, teaching); None picks the fastest that applies
-ENCODE_PATH = "batched"     # "batched" | "reference" (each preserved node on its own): SharedLLM.encode_nodes
-ENCODE_TOKENS = 4096        # the batched path encodes preserved nodes in calls of about this many tokens
+# force "flash" | "sdpa" | "manual" (tests, teaching); None picks the fastest that applies
+ATTN_BACKEND = None
+# "batched" | "reference" (each preserved node on its own): SharedLLM.encode_nodes
+ENCODE_PATH = "batched"
+# the batched path encodes preserved nodes in calls of about this many tokens
+ENCODE_TOKENS = 4096
 
 # -----------------------------------------------------------------------------
 # config
@@ -50,28 +53,40 @@ class LlamaConfig:
     hidden_dim: int = 11008     # SwiGLU FFN width
     norm_eps: float = 1e-5      # LLaMA-2's config.json says 1e-5 (HF's class default is 1e-6)
     rope_theta: float = 10000.0
-    max_seq_len: int = 4096     # the context window the base model was trained for (informational: RoPE takes any position)
+    # the context window the base model was trained for (informational: RoPE takes any position)
+    max_seq_len: int = 4096
     head_dim: int = 0           # 0 means dim // n_heads
-    tie_embeddings: bool = False   # the output head IS the embedding matrix (SmolLM2, Llama-3.2 1B/3B); LLaMA-2: untied
-    rope_scaling: dict = None   # Llama-3.1/3.2's "llama3" frequency scaling: {"factor", "low_freq_factor",
-                                # "high_freq_factor", "original_max_position_embeddings"}; None = plain RoPE
+    # the output head IS the embedding matrix (SmolLM2, Llama-3.2 1B/3B); LLaMA-2: untied
+    tie_embeddings: bool = False
+    # Llama-3.1/3.2's "llama3" frequency scaling: {"factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}; None = plain RoPE
+    rope_scaling: dict = None
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.dim // self.n_heads
-        assert self.n_heads % self.n_kv_heads == 0, f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+        assert self.n_heads % self.n_kv_heads == 0, \
+            f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
         assert self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE"
 
 
 # Named presets, chosen by exact key (never guessed from a folder name).
 PRESETS = {
-    "micro": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=64, max_seq_len=512),
-    "tiny": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=176, max_seq_len=1024),
-    "small": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=50304, hidden_dim=704, max_seq_len=1024),
-    "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, hidden_dim=1536,
-                         rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),   # the real model's shape
-    "llama2-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000, hidden_dim=11008),
-    "llama2-13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, hidden_dim=13824),
-    "llama2-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000, hidden_dim=28672),
+    "micro": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=64,
+                  max_seq_len=512),
+    "tiny": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=176,
+                 max_seq_len=1024),
+    "small": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=50304, hidden_dim=704,
+                  max_seq_len=1024),
+    # the real model's shape
+    "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152,
+                         hidden_dim=1536, rope_theta=100000.0, max_seq_len=8192,
+                         tie_embeddings=True),
+    "llama2-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
+                      hidden_dim=11008),
+    "llama2-13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000,
+                       hidden_dim=13824),
+    "llama2-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
+                       hidden_dim=28672),
 }
 
 
@@ -91,39 +106,42 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # x * rsqrt(mean(x^2) + eps) in fp32 (one fused op), cast back, then scale: the same order as HF, so bf16
-        # results agree too
+        # x * rsqrt(mean(x^2) + eps) in fp32 (one fused op), cast back, then scale: the same
+        # order as HF, so bf16 results agree too
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-# RoPE. Pairs can be formed two ways: Meta's original checkpoints rotate interleaved pairs (x0,x1),(x2,x3)...
-# (the complex-number form); Hugging Face checkpoints store wq/wk with their rows permuted so that the
-# pairs are the two halves (x_i, x_{i+d/2}) ("rotate_half"). Both give the same attention scores.
-# We load HF safetensors, so this file uses the split-half form and the weights load untouched.
-# To use Meta's layout instead, un-permute HF weights per head:
-#   w.view(n_heads, 2, head_dim // 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim)   (n_kv_heads for wk)
+# RoPE. Pairs can be formed two ways: Meta's original checkpoints rotate interleaved pairs
+# (x0,x1),(x2,x3)... (the complex-number form); Hugging Face checkpoints store wq/wk with their rows
+# permuted so that the pairs are the two halves (x_i, x_{i+d/2}) ("rotate_half"). Both give the
+# same attention scores. We load HF safetensors, so this file uses the split-half form and the
+# weights load untouched. To use Meta's layout instead, un-permute HF weights per head:
+#   w.view(n_heads, 2, head_dim // 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim)
+# (n_kv_heads for wk)
 def rope_cos_sin(pos, head_dim, theta, scaling=None):
     # pos: integer tensor of any shape (...); returns cos, sin of shape (..., head_dim), in fp32
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim))
     if scaling:
         inv_freq = llama3_scaled(inv_freq, scaling)
     angles = pos.float()[..., None] * inv_freq            # (..., head_dim/2)
-    angles = torch.cat([angles, angles], dim=-1)          # (..., head_dim), same angle for both halves
+    angles = torch.cat([angles, angles], dim=-1)          # (..., head_dim), one angle per pair
     return angles.cos(), angles.sin()
 
 
 def llama3_scaled(inv_freq, s):
-    # Llama-3.1's long-context RoPE: frequencies whose wavelength is short next to the original window stay, long
-    # ones are slowed down by `factor`, and those in between are blended linearly in (window / wavelength).
+    # Llama-3.1's long-context RoPE: frequencies whose wavelength is short next to the original
+    # window stay, long ones are slowed down by `factor`, and those in between are blended
+    # linearly in (window / wavelength).
     window, factor = s["original_max_position_embeddings"], s["factor"]
     lo, hi = s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
-    blend = ((window / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)   # 0: long wavelength (> window/lo), 1: short
+    # 0: long wavelength (> window / lo), 1: short
+    blend = ((window / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
     return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
 def apply_rope(x, cos, sin):
-    # x: (B, H, T, hd); cos/sin: (T, hd) or (B, 1, T, hd). Rotating by p then by q equals rotating by p+q.
+    # x: (B, H, T, hd); cos/sin: (T, hd) or broadcastable to x. Rotating by p then by q = by p+q.
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
@@ -133,25 +151,27 @@ _announced = set()
 
 
 def attention(q, k, v, causal, backend=None):
-    # q: (B, Hq, Tq, hd); k, v: (B, Hkv, Tk, hd) with Hq a multiple of Hkv (grouped-query attention).
+    # q: (B, Hq, Tq, hd); k, v: (B, Hkv, Tk, hd), Hq a multiple of Hkv (grouped-query attention).
     # causal with Tq < Tk means the queries are the LAST Tq positions (decoding with a cache).
     backend = backend or ATTN_BACKEND
     if backend is None:
-        fits_flash = flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-        backend = "flash" if fits_flash else "sdpa"
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        backend = "flash" if flash_attn_func is not None and q.is_cuda and half else "sdpa"
     if backend not in _announced:
         _announced.add(backend)
-        why = "" if backend != "sdpa" or flash_attn_func is not None else " (flash-attn not installed)"
+        missing = backend == "sdpa" and flash_attn_func is None
+        why = " (flash-attn not installed)" if missing else ""
         print(f"attention backend: {backend}{why}")
     Tq, Tk = q.shape[2], k.shape[2]
-    if backend == "flash":  # flash-attn wants (B, T, H, hd), aligns causal masks bottom-right, does GQA natively
+    if backend == "flash":  # wants (B, T, H, hd), aligns causal masks bottom-right, does GQA
         y = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
         return y.transpose(1, 2)
     mask = None
     if causal and Tq != Tk:  # bottom-right aligned: query i sits at key position i + Tk - Tq
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
     if backend == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              is_causal=causal and mask is None,
                                               enable_gqa=q.shape[1] != k.shape[1])
     assert backend == "manual", f"unknown attention backend {backend!r}"
     # the readable reference: softmax(q k^T / sqrt(d)) v, in fp32
@@ -159,23 +179,25 @@ def attention(q, k, v, causal, backend=None):
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)   # (B, Hq, Tk, hd)
     att = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, Hq, Tq, Tk)
     if causal:
-        allowed = mask if mask is not None else torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
+        allowed = mask if mask is not None else torch.ones(Tq, Tk, dtype=torch.bool,
+                                                           device=q.device).tril()
         att = att.masked_fill(~allowed, float("-inf"))
     return (att.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
 class KVCache:
-    # one layer's self-attention keys/values, preallocated for max_len positions and filled in order:
-    # (B, Hkv, max_len, hd). Decoding keeps one per layer; so does the reference encoding of a node.
+    # one layer's self-attention keys/values, preallocated for max_len positions and filled in
+    # order: (B, Hkv, max_len, hd). Decoding keeps one per layer; so does encode_nodes_reference.
     def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype):
         self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = 0   # positions written so far
 
     def update(self, k, v):
-        # k, v: (B, Hkv, T, hd), the next T positions -> every position's K, V so far: (B, Hkv, length, hd)
+        # k, v: (B, Hkv, T, hd), the next T positions -> all K, V so far: (B, Hkv, length, hd)
         start, end = self.length, self.length + k.shape[2]
-        assert end <= self.k.shape[2], f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}"
+        assert end <= self.k.shape[2], \
+            f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}"
         self.k[:, :, start:end], self.v[:, :, start:end] = k, v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
@@ -209,7 +231,7 @@ class SelfAttention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, rope, cache=None):
-        # x: (B, T, dim); rope: (cos, sin) of its positions; cache: this layer's KVCache when decoding
+        # x: (B, T, dim); rope: (cos, sin) of its positions; cache: this layer's KVCache (decoding)
         q = self.query(x, rope)
         k, v = self.kv(x, *rope)
         if cache is not None:   # the queries are the LAST T positions of what the cache holds
@@ -217,14 +239,16 @@ class SelfAttention(nn.Module):
         return self.wo(merge_heads(attention(q, k, v, causal=True)))
 
 
-# What an upper layer's cross-attention reads (paper Eq. 3): the compressed K (rotated) and V of its lower layer,
-# (B, Hkv, n*S, hd) each (S KVs per chunk); the rotation of the X_D queries to their chunk position (cos, sin), or None; a query scale.
+# What an upper layer's cross-attention reads (paper Eq. 3): the compressed K (rotated) and V of
+# its lower layer, (B, Hkv, n*S, hd) each (S KVs per chunk); the rotation of the X_D queries to
+# their chunk position (cos, sin), or None; a query scale.
 Cross = namedtuple("Cross", "k v q_rope scale")
 
 
 class CrossAttention(nn.Module):
-    # Upper layer -> compressed context (paper Eq. 3). Its own query and output projections and NO key/value
-    # projections: K/V are the lower model's own self-attention K (already rotated) and V at the kept positions.
+    # Upper layer -> compressed context (paper Eq. 3). Its own query and output projections and NO
+    # key/value projections: K/V are the lower model's own self-attention K (already rotated) and V
+    # at the kept positions.
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
@@ -232,16 +256,16 @@ class CrossAttention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def queries(self, x, q_rope, scale=1.0):
-        # x: (B, T, dim) -> (B, Hq, T, hd), rotated to chunk position n (q_rope) unless chunk ids are off, and scaled
-        # (1 unless log-n scaling is on and the context is longer than training's)
+        # x: (B, T, dim) -> (B, Hq, T, hd), rotated to chunk position n (q_rope) unless chunk ids
+        # are off, and scaled (1 unless log-n scaling is on beyond the trained length)
         q = split_heads(self.wq(x), self.n_heads, self.head_dim)
         q = q if q_rope is None else apply_rope(q, *q_rope)
         return q if scale == 1.0 else q * scale
 
     def forward(self, x, cross):
-        # x: (B, T, dim); cross: a Cross -> (B, T, dim)
-        y = attention(self.queries(x, cross.q_rope, cross.scale), cross.k, cross.v, causal=False)   # the context
-        return self.wo(merge_heads(y))                                                 # precedes X_D: no mask
+        # x: (B, T, dim); cross: a Cross -> (B, T, dim). The context precedes X_D: no mask.
+        y = attention(self.queries(x, cross.q_rope, cross.scale), cross.k, cross.v, causal=False)
+        return self.wo(merge_heads(y))
 
 
 class FeedForward(nn.Module):
@@ -262,11 +286,10 @@ class Block(nn.Module):
         self.attention = SelfAttention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
-        self.cross_norm = self.cross_attention = None   # attached by SharedLLM to the injection layers
-        self.cross_src = None                           # which lower layer's K/V this layer reads
+        self.cross_norm = self.cross_attention = None   # attached by SharedLLM to the bottom M
 
     def forward(self, x, rope, cache=None, cross=None):
-        # residual order: self-attention, then cross-attention (injection layers only), then the MLP
+        # residual order: self-attention, then cross-attention (the bottom M layers), then the MLP
         x = x + self.attention(self.attention_norm(x), rope, cache)
         if cross is not None:
             x = x + self.cross_attention(self.cross_norm(x), cross)
@@ -283,7 +306,7 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:   # one tensor in two places: it trains, saves and loads as one
             self.output.weight = self.tok_embeddings.weight
-        self.checkpointing = False   # activation checkpointing of the blocks while training (train.py sets it)
+        self.checkpointing = False   # activation checkpointing while training (train.py sets it)
         self.apply(self._init_weights)
 
     def _init_weights(self, m):
@@ -296,45 +319,47 @@ class Llama(nn.Module):
     def forward(self, idx, targets=None, start_pos=0, caches=None, memory=None, last=0):
         # idx: (B, T) token ids at positions start_pos..start_pos+T-1 (X_D starts at position 0).
         # memory: a compressed context from SharedLLM.compress, or None for the plain LLaMA.
-        # last: logits for the last `last` positions only (0 = all), for scoring a long window's end
-        B, T = idx.shape
-        assert caches is None or caches[0].length == start_pos, "decode positions in order: start_pos = cache length"
+        # last: logits for the last `last` positions only (0 = all), to score a long window's end
+        T = idx.shape[1]
+        assert caches is None or caches[0].length == start_pos, \
+            "decode positions in order: start_pos = cache length"
         rope = self.rope(torch.arange(start_pos, start_pos + T, device=idx.device))
-        q_rope = None
-        if memory is not None and memory.q_pos is not None:   # every X_D query sits at one chunk position (n)
-            q_rope = [t[:, None] for t in self.rope(memory.q_pos[:, None].expand(B, T))]   # (B, 1, T, hd) each
         x = self.tok_embeddings(idx)
         for i, layer in enumerate(self.layers):
             cross = None
-            if memory is not None and layer.cross_attention is not None:
-                cross = Cross(*memory.kv[layer.cross_src], q_rope, memory.q_scale)
+            if memory is not None and layer.cross_attention is not None:   # reads lower layer i
+                cross = Cross(*memory.kv[i], memory.q_rope, memory.q_scale)
             cache = None if caches is None else caches[i]
-            if self.checkpointing and self.training:   # recompute activations in backward: memory for time
-                x = torch.utils.checkpoint.checkpoint(layer, x, rope, cache, cross, use_reentrant=False)
+            if self.checkpointing and self.training:   # recompute in backward: memory for time
+                x = torch.utils.checkpoint.checkpoint(layer, x, rope, cache, cross,
+                                                      use_reentrant=False)
             else:
                 x = layer(x, rope, cache, cross)
         logits = self.output(self.norm(x[:, -last:] if last else x)).float()
         loss = None
         if targets is not None:   # targets: (B, T), -100 marks positions that are not scored
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-100)
         return logits, loss
 
     def new_caches(self, batch, max_len):
-        p = self.output.weight
-        return [KVCache(batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim, p.device, p.dtype) for _ in self.layers]
+        p, c = self.output.weight, self.cfg
+        return [KVCache(batch, c.n_kv_heads, max_len, c.head_dim, p.device, p.dtype)
+                for _ in self.layers]
 
     @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None, memory=None, eos_id=None):
+    def stream(self, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None, memory=None,
+               eos_id=None):
         # prefill idx (B, T), then yield one (B, 1) token at a time, decoding with the KV cache
         B, T = idx.shape
         caches = self.new_caches(B, T + max_new_tokens)
-        logits, _ = self(idx, caches=caches, memory=memory)                           # prefill
+        logits, _ = self(idx, caches=caches, memory=memory)                      # prefill
         for pos in range(T, T + max_new_tokens):
             nxt = sample_next(logits[:, -1], temperature, top_k, top_p)
             yield nxt
             if (eos_id is not None and (nxt == eos_id).all()) or pos == T + max_new_tokens - 1:
                 break
-            logits, _ = self(nxt, start_pos=pos, caches=caches, memory=memory)        # one token at a time
+            logits, _ = self(nxt, start_pos=pos, caches=caches, memory=memory)   # one at a time
 
     def generate(self, idx, max_new_tokens, **sampling):
         return torch.cat([idx, *self.stream(idx, max_new_tokens, **sampling)], dim=1)
@@ -356,67 +381,86 @@ def sample_next(logits, temperature=0.0, top_k=None, top_p=None):
     return torch.multinomial(probs, num_samples=1)
 
 # -----------------------------------------------------------------------------
-# SharedLLM: the lower model compresses X_C into context trees, the upper model cross-attends to them
+# SharedLLM: the lower model compresses X_C into context trees, the upper model cross-attends
 
 
 @dataclass
 class SharedConfig:
-    # The method's settings. Their defaults are train.py's recipe (a test keeps them equal), except the sizes M and C,
-    # which are the paper's LLaMA-2 ones; docs/differences.md compares them with the paper's settings.
-    n_lower: int = 4          # M: lower-model layers = cross-attention layers of the upper (paper: 4 LM, 16 SFT)
-    chunk_size: int = 1024    # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
-    height: int = 3           # h: levels of the context tree below the root
-    beta: int = 8             # overall compression: C / (KVs kept per chunk)
-    policy: str = "query"     # which child to expand: "query" (cosine with the query; a row with no query, as in
-                              # language modeling, goes right) or "right" (always the most recent half: the paper's LM);
-                              # beyond the paper: "attention" (the child the question's cross-attention query reads
-                              # most) and "query_mean" (mean token embeddings)
-    noise: float = 0.0        # the split noise: eps ~ N(0, sigma^2) in training with sigma = l / noise (l: the node's
-                              # length; the paper's table: l/5 LM, l/10 SFT), so LARGER means LESS noise; 0 = exact halves
-    chunk_ids: str = "random" # chunk-level position ids in cross-attention (Eq. 2): "plain" (the paper: keys of chunk i
-                              # at i, queries at n), "off" (the ablation), or "clamp" / "random" (below; random is
-                              # plain at inference)
+    # The method's settings. Their defaults are train.py's recipe (a test keeps them equal), except
+    # the sizes M and C, which are the paper's LLaMA-2 ones (docs/differences.md compares them).
+    # M: lower-model layers = the upper's cross-attention layers (paper: 4 LM, 16 SFT)
+    n_lower: int = 4
+    # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
+    chunk_size: int = 1024
+    # h: levels of the context tree below the root
+    height: int = 3
+    # the overall compression: C / (KVs kept per chunk)
+    beta: int = 8
+    # which child the search expands: "query" (the paper: cosine with the question; a row with no
+    # question, as in language modeling, goes right) or "right" (always the most recent half: the
+    # paper's LM). Beyond the paper: "attention" and "query_mean" (Options beyond the paper).
+    policy: str = "query"
+    # the split noise in training (Eq. 1): sigma = l / noise (l: the node's length; the paper's
+    # Table 5: l/5 LM, l/10 SFT), so LARGER means LESS noise; 0 = exact halves (its "w/o noise")
+    noise: float = 0.0
+    # chunk-level position ids (Eq. 2): "plain" (the paper), "off" (its ablation), or beyond the
+    # paper "clamp" and "random" (chunk_positions says what each does)
+    chunk_ids: str = "random"
+    # "shared": the lower model is the upper's own bottom M layers (one set of weights: the paper's
+    # copy, while they stay frozen or train together); "copy": a frozen copy of them, so that
+    # training the upper model (train.py --train=cross+top, upper) leaves the compressor as it was
+    lower: str = "shared"
     # --- beyond the paper (see "Options beyond the paper" at the end of this file) ---
-    max_chunk_dist: int = 4   # "clamp": plain ids for the max_chunk_dist most recent chunks, every older chunk at that
-                              # largest distance; logn_scale: the trained n (train.py: its n_chunks)
-    max_chunk_id: int = 1024  # "random": in training each sample's chunks sit at sorted random ids up to max_chunk_id
-    logn_scale: bool = False  # beyond max_chunk_dist chunks, scale cross-attention queries by log(keys) / log(trained
-                              # keys)
-    inject: str = "bottom"    # which upper layers cross-attend: "bottom" M (the paper), "top" M, or "interleaved"
-    lower: str = "shared"     # "shared": the upper's own bottom M layers (the paper); "copy": a frozen copy of them
-    keep: str = "last"        # which token of each stride window keeps its KV: "last", or "first" (the released code)
+    # "clamp": the largest chunk distance; logn_scale: the trained chunk count (one setting for
+    # both: train.py sets it to the trained n_chunks)
+    max_chunk_dist: int = 4
+    # "random": in training, each sample's chunks sit at sorted random ids up to max_chunk_id
+    max_chunk_id: int = 1024
+    # beyond max_chunk_dist chunks, scale cross-attention queries by log(keys) / log(trained keys)
+    logn_scale: bool = False
+    # which token of each stride window keeps its KV: "last", or "first" (the released code)
+    keep: str = "last"
 
     def __post_init__(self):
         if isinstance(self.chunk_ids, bool):   # older checkpoints and code said True / False
             self.chunk_ids = "plain" if self.chunk_ids else "off"
-        for name, allowed in [("policy", ("right", "query", "query_mean", "attention")), ("keep", ("last", "first")),
+        for name, allowed in [("policy", ("right", "query", "query_mean", "attention")),
                               ("chunk_ids", ("plain", "clamp", "random", "off")),
-                              ("inject", ("bottom", "top", "interleaved")), ("lower", ("shared", "copy"))]:
+                              ("lower", ("shared", "copy")), ("keep", ("last", "first"))]:
             if getattr(self, name) not in allowed:
-                raise ValueError(f"SharedConfig.{name} = {getattr(self, name)!r}; expected one of {allowed}")
+                raise ValueError(f"SharedConfig.{name} = {getattr(self, name)!r}; "
+                                 f"expected one of {allowed}")
         for name in ("n_lower", "chunk_size", "height", "beta", "max_chunk_dist"):
             if getattr(self, name) < 1:
-                raise ValueError(f"SharedConfig.{name} = {getattr(self, name)}; expected at least 1")
+                raise ValueError(f"SharedConfig.{name} = {getattr(self, name)}; "
+                                 "expected at least 1")
         if not self.noise >= 0:
-            raise ValueError(f"SharedConfig.noise = {self.noise}; expected 0 (off) or a positive value")
+            raise ValueError(f"SharedConfig.noise = {self.noise}; "
+                             "expected 0 (off) or a positive value")
         try:   # an impossible shape fails here, once, not in the middle of a run
             tree.search(1, self.chunk_size, self.height, self.beta)
         except AssertionError as e:
-            raise ValueError(f"SharedConfig: chunk_size {self.chunk_size}, height {self.height}, beta {self.beta}: "
-                             f"{e}") from None
-        if round(self.chunk_size / self.beta) < self.height + 1:   # else node_budget would keep more than C / beta
-            raise ValueError(f"SharedConfig.beta = {self.beta}: a tree of height {self.height} keeps at least one KV in "
-                             f"each of its {self.height + 1} nodes, so a chunk of {self.chunk_size} tokens allows beta "
-                             f"up to {self.chunk_size // (self.height + 1)}")
+            raise ValueError(f"SharedConfig: chunk_size {self.chunk_size}, height {self.height}, "
+                             f"beta {self.beta}: {e}") from None
+        if round(self.chunk_size / self.beta) < self.height + 1:   # else more than C / beta kept
+            raise ValueError(f"SharedConfig.beta = {self.beta}: a tree of height {self.height} "
+                             f"keeps at least one KV in each of its {self.height + 1} nodes, so a "
+                             f"chunk of {self.chunk_size} tokens allows beta up to "
+                             f"{self.chunk_size // (self.height + 1)}")
 
 
 @dataclass
 class Memory:
     # a compressed context: what the upper model's cross-attention reads
-    kv: list                  # per lower layer j: (K, V), each (B, Hkv, n*S, hd); S = KVs kept per chunk
-    q_pos: torch.Tensor       # (B,) the chunk-level position of every X_D query (n for plain ids), or None: no ids
-    nodes: list = field(default_factory=list)   # per (batch item, chunk): the preserved tree.Nodes
-    q_scale: float = 1.0      # the cross-attention queries' scale (SharedConfig.logn_scale)
+    # per lower layer j: (K, V), each (B, Hkv, n*S, hd); S = KVs kept per chunk
+    kv: list
+    # (cos, sin), (B, 1, 1, hd) each: every X_D query's rotation to its chunk position (n for plain
+    # ids), or None: no chunk ids
+    q_rope: tuple
+    # per (batch item, chunk): the preserved tree.Nodes
+    nodes: list = field(default_factory=list)
+    # the cross-attention queries' scale (SharedConfig.logn_scale)
+    q_scale: float = 1.0
 
 
 class SharedLLM(nn.Module):
@@ -426,15 +470,15 @@ class SharedLLM(nn.Module):
         if not 1 <= m <= cfg.n_layers:
             raise ValueError(f"n_lower (M) = {m}; the model has {cfg.n_layers} layers")
         self.scfg, self.upper = scfg, llama
-        self.lower = frozen_copy(llama, m) if scfg.lower == "copy" else None   # None: the upper's own bottom M layers
+        # None: the lower model is the upper's own bottom M layers
+        self.lower = frozen_copy(llama, m) if scfg.lower == "copy" else None
         p = llama.output.weight
-        for j, i in enumerate(injection_layers(cfg.n_layers, m, scfg.inject)):
-            blk = llama.layers[i]
+        for blk in llama.layers[:m]:   # the bottom M layers cross-attend: layer i reads lower i
             blk.cross_norm = RMSNorm(cfg.dim, cfg.norm_eps).to(p.device, p.dtype)
             blk.cross_attention = CrossAttention(cfg).to(p.device, p.dtype)
-            blk.cross_src = j
-            # The layer's own query (its norm and wq) and a zero output projection: an untrained SharedLLM returns
-            # exactly its base LLaMA's output, so training starts from the pretrained model and only adds.
+            # The layer's own query (its norm and wq) and a zero output projection: an untrained
+            # SharedLLM returns exactly its base LLaMA's output, so training starts from the
+            # pretrained model and only adds.
             with torch.no_grad():
                 blk.cross_norm.weight.copy_(blk.attention_norm.weight)
                 blk.cross_attention.wq.weight.copy_(blk.attention.wq.weight)
@@ -442,22 +486,24 @@ class SharedLLM(nn.Module):
 
     @classmethod
     def from_llama(cls, llama, **shared_config):
-        # the one way to build both models from one checkpoint: SharedLLM.from_llama(load_llama(dir), n_lower=4, ...)
+        # both models from one checkpoint: SharedLLM.from_llama(load_llama(dir), n_lower=4, ...)
         return cls(llama, SharedConfig(**shared_config))
 
     def lower_model(self):
         return self.lower if self.lower is not None else self.upper
 
     def lower_parameters(self):
-        # what the compressor runs: embedding and bottom M blocks (not the cross-attention attached to them)
+        # what the compressor runs: the embedding, the bottom M blocks (not their cross-attention)
         low = self.lower_model()
         return [p for n, p in low.named_parameters() if n.startswith("tok_embeddings")
-                or (n.startswith("layers.") and int(n.split(".")[1]) < self.scfg.n_lower and ".cross_" not in n)]
+                or (n.startswith("layers.") and int(n.split(".")[1]) < self.scfg.n_lower
+                    and ".cross_" not in n)]
 
     def forward(self, context, idx, targets=None, query_len=None, key_at=None):
         # context: (B, n, C) or None; idx, targets: (B, T) -> logits (B, T, vocab), loss
         # key_at: (B, n*C) bool, training only, where the answer stands in X_C: adds search_loss
-        memory = None if context is None or context.shape[1] == 0 else self.compress(context, idx, query_len)
+        empty = context is None or context.shape[1] == 0
+        memory = None if empty else self.compress(context, idx, query_len)
         logits, loss = self.upper(idx, targets, memory=memory)
         if key_at is not None:
             found = search_loss(self, context, idx, query_len, key_at)
@@ -466,160 +512,224 @@ class SharedLLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, context, idx, max_new_tokens, query_len=None, **sampling):
-        memory = self.compress(context, idx, query_len)   # once: the tree and the compressed KVs stay fixed
+        memory = self.compress(context, idx, query_len)   # once: the tree and its KVs stay fixed
         return self.upper.generate(idx, max_new_tokens, memory=memory, **sampling)
 
     def compress(self, context, idx=None, query_len=None):
-        # The paper's method in four steps. context: (B, n, C) token ids of X_C; idx: (B, T) the running text X_D;
-        # query_len: (B,) how many leading tokens of X_D are the query for the "query" policy. None (or 0 for a row)
-        # means no query: language modeling, where the paper's policy is "right". (Taking all of X_D as the query
-        # would let the tree choice depend on the very tokens being predicted.) -> Memory
+        # The paper's method in four steps. context: (B, n, C) token ids of X_C; idx: (B, T) the
+        # running text X_D; query_len: (B,) how many leading tokens of X_D are the question. None
+        # (or 0 for a row) means no question: language modeling, where the paper goes right. (All
+        # of X_D as the question would let the tree depend on the tokens being predicted.) -> Memory
         B, n, C = context.shape
         if C != self.scfg.chunk_size:
-            raise ValueError(f"context chunks have {C} tokens; this model's chunk_size C is {self.scfg.chunk_size}")
-        rows = context.reshape(B * n, C)                                # one context tree per (batch item, chunk)
-        query_len = None if query_len is None else torch.as_tensor(query_len).cpu()   # the tree reads it on the host
+            raise ValueError(f"context chunks have {C} tokens; this model's chunk_size C is "
+                             f"{self.scfg.chunk_size}")
+        rows = context.reshape(B * n, C)                  # one context tree per (batch item, chunk)
+        if query_len is not None:                         # on the host: the tree reads it
+            query_len = torch.as_tensor(query_len).cpu()
         frozen = not any(p.requires_grad for p in self.lower_parameters())
-        with torch.no_grad() if frozen else nullcontext():              # else the caller's mode (eval: no_grad)
-            decide, first_kv = None, None                               # no query: "always right"
-            if self.scfg.policy == "query" and query_len is not None and bool((query_len > 0).any()):
-                # the first layer's K/V of every context token, projected once: the search reads them, and the
-                # batched encoding reuses them for the nodes it keeps
-                first_kv = first_layer_kv(self.lower_model(), rows.reshape(-1))   # (B*n*C, Hkv, hd) each
-                decide = self.query_policy(rows, idx, query_len, first_kv)        # 1. the query-aware policy
-            elif self.scfg.policy == "attention" and query_len is not None and bool((query_len > 0).any()):
-                # (beyond the paper) first_kv as for "query"
-                first_kv = first_layer_kv(self.lower_model(), rows.reshape(-1))
-                decide = attention_policy(self.upper, rows, idx, query_len, first_kv[0])
-            elif self.scfg.policy == "query_mean" and query_len is not None and bool((query_len > 0).any()):
-                decide = mean_embedding_policy(self.lower_model(), rows, idx, query_len)   # (beyond the paper)
+        # a frozen compressor builds no graph; a trained one keeps the caller's mode (eval: no_grad)
+        with torch.no_grad() if frozen else nullcontext():
+            # 1. the query-aware policy: how each tree picks the child to expand
+            decide, first_kv = self.search_policy(rows, idx, query_len)
+            # 2. split-and-search (Eq. 1, Algorithm 1): the preserved nodes and the KVs each keeps
+            # (the level-wise compression: tree.node_budget)
             noise = self.scfg.noise if self.training else 0.0
-            nodes = tree.search(B * n, C, self.scfg.height, self.scfg.beta, decide, noise)   # 2. Algorithm 1
-            kv = self.encode_nodes(rows, nodes, first_kv)               # 3. the preserved nodes' kept K/V (Sec. 3.2)
-            return self.chunk_level_kv(kv, nodes, B, n)                 # 4. chunk-level position ids (Eq. 2)
+            nodes = tree.search(B * n, C, self.scfg.height, self.scfg.beta, decide, noise)
+            # 3. each preserved node through the lower model, K/V kept at tree.keep_index
+            kv = self.encode_nodes(rows, nodes, first_kv)
+            # 4. chunk-level position ids (Eq. 2); the upper model's CrossAttention reads the
+            # result (Eq. 3)
+            return self.chunk_level_kv(kv, nodes, B, n)
+
+    def search_policy(self, rows, idx, query_len):
+        # Step 1 (Sec. 3.2): how every tree chooses the child to expand -> decide(level, lefts,
+        # rights) for tree.search, or None ("always right"); and the first layer's K/V of every
+        # context token when the policy computed them (step 3 reuses them), else None.
+        policy = self.scfg.policy
+        if policy == "right" or query_len is None or not bool((query_len > 0).any()):
+            return None, None
+        low = self.lower_model()
+        if policy == "query_mean":                                            # (beyond the paper)
+            return mean_embedding_policy(low, rows, idx, query_len), None
+        first_kv = first_layer_kv(low, rows.reshape(-1))                 # (B*n*C, Hkv, hd) each
+        if policy == "attention":                                             # (beyond the paper)
+            return attention_policy(self.upper, rows, idx, query_len, first_kv[0]), first_kv
+        return self.query_policy(rows, idx, query_len, first_kv), first_kv
+
+    def expand_right_reference(self, question, left, right):
+        # Step 1 for one tree at one level, the obvious way (query_policy is tested equal to it):
+        # the question's vector (upper model) and each child's (lower model), expand the closer.
+        # question, left, right: token spans (L,) each -> True: expand the right child
+        q = retrieval_vector_reference(self.upper, question)
+        low = self.lower_model()
+        sim = lambda span: F.cosine_similarity(q, retrieval_vector_reference(low, span), 0)
+        return bool(sim(right) > sim(left))
 
     def query_policy(self, rows, idx, query_len, first_kv):
-        # Step 1 (Sec. 3.2, query-aware search): at each level, every tree compares the query with ITS OWN two children
-        # and expands the more similar one (cosine of retrieval vectors); a row whose sample has no query goes right.
-        # rows: (B*n, C) context tokens; idx: (B, T) X_D; query_len: (B,) on the host; first_kv: the first layer's
-        # K (not yet rotated) and V of every context token, (B*n*C, Hkv, hd) each -> decide(level, lefts, rights)
-        low, (R, C), n = self.lower_model(), rows.shape, rows.shape[0] // idx.shape[0]
+        # The paper's query-aware search, fast: at each level, every tree compares the question
+        # with ITS OWN two children and expands the more similar one (cosine of retrieval vectors;
+        # expand_right_reference is the same for one tree, plainly, and tested equal). A row whose
+        # sample has no question goes right.
+        # rows: (B*n, C); idx: (B, T) X_D; query_len: (B,) on the host; first_kv: the first layer's
+        # K (not rotated) and V of every context token, (B*n*C, Hkv, hd) each -> decide
+        low, (R, C) = self.lower_model(), rows.shape
+        n = R // idx.shape[0]
         no_query = (query_len == 0).repeat_interleave(n).tolist()
         with torch.no_grad():   # a discrete choice: no gradient flows through it
+            # the question's last token (a row with no question: any index, it goes right anyway)
             last = (query_len - 1).clamp(min=0).to(idx.device)
-            q = retrieval_vector(self.upper, idx, last[:, None])[:, 0].repeat_interleave(n, dim=0)   # (B*n, dim)
-            # RoPE is relative: a span inside a row sees the same scores as on its own when the row's keys are rotated
-            # once at their row positions, so one rotation serves every span the search compares
-            rows_kv = sequence_kv(low, *(t.view(R, C, *t.shape[1:]) for t in first_kv))            # (B*n, Hkv, C, hd)
+            q = retrieval_vector(self.upper, idx, last[:, None])[:, 0]            # (B, dim)
+            q = q.repeat_interleave(n, dim=0)                                    # (B*n, dim)
+            # RoPE is relative: a span inside a row scores as on its own when the row's keys are
+            # rotated once at their row positions, so one rotation serves every span compared:
+            # (R*C, Hkv, hd) -> (R, Hkv, C, hd), K rotated at 0..C-1
+            rows_kv = sequence_kv(low, *(t.view(R, C, *t.shape[1:]) for t in first_kv))
 
-        def decide(level, lefts, rights):   # lefts, rights: per tree, its children's (start, end) -> expand right?
-            ends = to_device([[l_end - 1, r_end - 1] for (_, l_end), (_, r_end) in zip(lefts, rights)], rows.device)
-            starts = to_device([[l_start, r_start] for (l_start, _), (r_start, _) in zip(lefts, rights)], rows.device)
+        def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
+            ends = [[l_end - 1, r_end - 1] for (_, l_end), (_, r_end) in zip(lefts, rights)]
+            starts = [[l_start, r_start] for (l_start, _), (r_start, _) in zip(lefts, rights)]
             with torch.no_grad():   # both children of every tree in one call
-                h = retrieval_vector(low, rows, ends, starts, rows_kv)                  # (B*n, 2, dim)
-            right_closer = F.cosine_similarity(q, h[:, 1], dim=-1) > F.cosine_similarity(q, h[:, 0], dim=-1)
-            return [r or nq for r, nq in zip(right_closer.tolist(), no_query)]
+                h = retrieval_vector(low, rows, to_device(ends, rows.device),
+                                     to_device(starts, rows.device), rows_kv)     # (B*n, 2, dim)
+            cos = F.cosine_similarity
+            closer = cos(q, h[:, 1], dim=-1) > cos(q, h[:, 0], dim=-1)
+            return [r or nq for r, nq in zip(closer.tolist(), no_query)]
         return decide
 
-    def encode_nodes(self, rows, nodes, first_kv=None):
-        # Step 3 (Sec. 3.2), batched: what encode_nodes_reference does one node at a time, for many nodes per call.
-        # Where it departs from the reference, and why the result is the same:
-        # - the nodes of one level (the same length up to the split noise, the same count kept) go through the lower
-        #   model together, right-padded by repeating their last token: attention is causal, so no real position
-        #   reads the padding; about ENCODE_TOKENS tokens per call, so that memory stays bounded at any length;
-        # - with the query policy, the first layer's K/V are taken from first_kv: before RoPE they depend on the
-        #   token alone, so only K's rotation (to the node's own positions) is redone (sequence_kv);
-        # - the last lower block projects only the kept tokens' K/V: nothing reads its output (lower_kv);
-        # - the calls come out level by level; `order` puts the kept KVs back in text order.
-        # rows: (B*n, C); nodes: per row, its preserved tree.Nodes; first_kv: see compress
-        # -> per lower layer (K, V), each (all kept KVs, Hkv, hd), in text order: row, node, kept position
-        if ENCODE_PATH == "reference":
-            return self.encode_nodes_reference(rows, nodes)
-        low, cfg = self.lower_model(), self.scfg
-        calls = [([], []) for _ in range(cfg.n_lower)]   # per layer: each call's kept K and V, (R * n_kept, Hkv, hd)
-        offset_of, n_out = {}, 0                         # (row, node start) -> its first kept KV's index in the calls
-        for level in range(1, cfg.height + 1):
-            at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
-            per_call = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
-            for sel in (at_level[i:i + per_call] for i in range(0, len(at_level), per_call)):
-                tokens, at = gather_spans(rows, [r for r, _ in sel], [(nd.start, nd.end) for _, nd in sel])
-                kept_at = to_device([tree.keep_index(len(nd), nd.kept, cfg.keep) for _, nd in sel], rows.device)
-                kv0 = None if first_kv is None else sequence_kv(low, *(t[at] for t in first_kv))   # the spans' own
-                for j, kv in enumerate(lower_kv(low, tokens, cfg.n_lower, kept_at, kv0)):   # (R, Hkv, n_kept, hd)
-                    for out, t in zip(calls[j], kv):
-                        out.append(t.transpose(1, 2).flatten(0, 1))
-                for i, (r, nd) in enumerate(sel):
-                    offset_of[r, nd.start] = n_out + i * kept_at.shape[1]
-                n_out += kept_at.numel()
-        order = to_device([offset_of[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
-                           for t in range(nd.kept)], rows.device)    # text order -> index in the calls
-        return [(torch.cat(ks)[order], torch.cat(vs)[order]) for ks, vs in calls]
-
     def encode_nodes_reference(self, rows, nodes):
-        # Step 3 (Sec. 3.2), the obviously correct way: each preserved node is a sequence of its own (positions
-        # 0..len-1) through the lower model, its bottom M blocks with no cross-attention; each block's KV cache then
-        # holds exactly the K (rotated) and V the paper keeps (SelfAttention.forward writes them there), read at the
-        # node's kept positions. Same in/out as encode_nodes, which is tested equal to this in values and gradients.
+        # Step 3 (Sec. 3.2), the obvious way: each preserved node is a sequence of its own
+        # (positions 0..len-1) through the lower model's bottom M blocks, with no cross-attention.
+        # Each block's KV cache then holds exactly the K (rotated) and V the paper keeps, read at
+        # the node's kept positions. encode_nodes is tested equal to this, values and gradients.
+        # rows: (B*n, C); nodes: per row, its preserved tree.Nodes
+        # -> per lower layer (K, V), each (all kept KVs, Hkv, hd), in text order
         low, cfg = self.lower_model(), self.scfg
         kv = [([], []) for _ in range(cfg.n_lower)]
         for r, row_nodes in enumerate(nodes):
             for nd in row_nodes:
-                tokens = rows[r:r + 1, nd.start:nd.end]                                 # (1, len)
-                x, rope = low.tok_embeddings(tokens), low.rope(torch.arange(len(nd), device=rows.device))
-                dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-                caches = [KVCache(1, low.cfg.n_kv_heads, len(nd), low.cfg.head_dim, rows.device, dtype)
-                          for _ in range(cfg.n_lower)]   # in the dtype attention computes K/V in (bf16 under autocast)
+                tokens = rows[r:r + 1, nd.start:nd.end]                          # (1, len)
+                x = low.tok_embeddings(tokens)
+                rope = low.rope(torch.arange(len(nd), device=rows.device))
+                # the dtype attention computes K/V in (bf16 under autocast)
+                autocast = torch.is_autocast_enabled(x.device.type)
+                dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+                caches = [KVCache(1, low.cfg.n_kv_heads, len(nd), low.cfg.head_dim, rows.device,
+                                  dtype) for _ in range(cfg.n_lower)]
                 for block, cache in zip(low.layers[:cfg.n_lower], caches):
                     x = block(x, rope, cache)
                 kept_at = tree.keep_index(len(nd), nd.kept, cfg.keep)
-                for j, cache in enumerate(caches):                                      # (n_kept, Hkv, hd) each
+                for j, cache in enumerate(caches):                               # (n_kept, Hkv, hd)
                     kv[j][0].append(cache.k[0, :, kept_at].transpose(0, 1))
                     kv[j][1].append(cache.v[0, :, kept_at].transpose(0, 1))
         return [(torch.cat(ks), torch.cat(vs)) for ks, vs in kv]
 
+    def encode_nodes(self, rows, nodes, first_kv=None):
+        # Step 3, batched: what encode_nodes_reference does one node at a time, for many nodes per
+        # call. Where it departs from the reference, and why the result is the same:
+        # - the nodes of one level (one length up to the split noise, one count kept) go through
+        #   the lower model together, right-padded by repeating their last token: attention is
+        #   causal, so no real position reads the padding; about ENCODE_TOKENS tokens per call;
+        # - first_kv (from step 1): the first layer's K/V depend on the token alone before RoPE,
+        #   so only K's rotation (to the node's own positions) is redone (sequence_kv);
+        # - the last lower block projects only the kept tokens' K/V: nothing reads its output;
+        # - the calls come out level by level; `order` puts the kept KVs back in text order.
+        # Same inputs and output as encode_nodes_reference.
+        if ENCODE_PATH == "reference":
+            return self.encode_nodes_reference(rows, nodes)
+        low, cfg = self.lower_model(), self.scfg
+        calls = [([], []) for _ in range(cfg.n_lower)]   # per layer: each call's kept K and V
+        offset_of, n_out = {}, 0   # (row, node start) -> its first kept KV's index in the calls
+        for level in range(1, cfg.height + 1):
+            at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
+            per_call = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
+            for sel in (at_level[i:i + per_call] for i in range(0, len(at_level), per_call)):
+                spans = [(nd.start, nd.end) for _, nd in sel]
+                tokens, at = gather_spans(rows, [r for r, _ in sel], spans)
+                kept_at = to_device([tree.keep_index(len(nd), nd.kept, cfg.keep) for _, nd in sel],
+                                    rows.device)
+                kv0 = None if first_kv is None else sequence_kv(low, *(t[at] for t in first_kv))
+                for j, kv in enumerate(lower_kv(low, tokens, cfg.n_lower, kept_at, kv0)):
+                    for out, t in zip(calls[j], kv):                   # (R, Hkv, n_kept, hd)
+                        out.append(t.transpose(1, 2).flatten(0, 1))
+                # the calls come level by level: where each node's kept KVs start in them
+                for i, (r, nd) in enumerate(sel):
+                    offset_of[r, nd.start] = n_out + i * kept_at.shape[1]
+                n_out += kept_at.numel()
+        order = to_device([offset_of[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
+                           for t in range(nd.kept)], rows.device)    # text order -> index in calls
+        return [(torch.cat(ks)[order], torch.cat(vs)[order]) for ks, vs in calls]
+
     def chunk_level_kv(self, kv, nodes, B, n):
-        # Step 4 (Eq. 2): each chunk's kept K/V side by side, every key of chunk i rotated to chunk position i on top
-        # of its node-local rotation, and every X_D query placed at position n (Llama.forward rotates it). RoPE then
-        # makes a query-key angle depend on n - i - p (p: the key's position inside its node): one chunk step is one
-        # token of rotation, and the upper model sees the order of the chunks.
-        # kv: per lower layer (K, V), each (B*n*S, Hkv, hd) in text order -> Memory with (B, Hkv, n*S, hd) each
-        S = sum(nd.kept for nd in nodes[0])                                   # KVs kept per chunk, the same for all
-        device = kv[0][0].device
-        k_pos, q_pos = self.chunk_positions(B, n, device) if self.scfg.chunk_ids != "off" else (None, None)
-        k_rope = None if k_pos is None else [t[:, None] for t in self.upper.rope(k_pos.repeat_interleave(S, dim=1))]
+        # Step 4 (Eq. 2): each chunk's kept K/V side by side, every key of chunk i rotated to chunk
+        # position i on top of its node-local rotation, and every X_D query placed at position n.
+        # RoPE then makes a query-key angle depend on n - i - p (p: the key's position inside its
+        # node): one chunk step is one token of rotation, and the upper model sees chunk order.
+        # kv: per lower layer (K, V), each (B*n*S, Hkv, hd) in text order
+        # -> Memory with (B, Hkv, n*S, hd) each
+        S = sum(nd.kept for nd in nodes[0])                  # KVs kept per chunk, the same for all
+        k_pos, q_pos = chunk_positions(self.scfg, B, n, kv[0][0].device, self.training)
+        k_rope = q_rope = None
+        if k_pos is not None:
+            k_rope = [t[:, None] for t in self.upper.rope(k_pos.repeat_interleave(S, dim=1))]
+            q_rope = tuple(t[:, None, None] for t in self.upper.rope(q_pos))   # (B, 1, 1, hd)
         out = []
         for K, V in kv:
-            K, V = (t.view(B, n * S, *t.shape[1:]).transpose(1, 2) for t in (K, V))   # (B, Hkv, n*S, hd)
+            K, V = (t.view(B, n * S, *t.shape[1:]).transpose(1, 2) for t in (K, V))  # B,Hkv,nS,hd
             out.append((K if k_rope is None else apply_rope(K, *k_rope), V))
-        return Memory(out, q_pos, nodes, logn_scale(self.scfg, n, S))
+        return Memory(out, q_rope, nodes, logn_scale(self.scfg, n, S))
 
-    def chunk_positions(self, B, n, device):
-        # -> the keys' chunk ids (B, n) and the queries' (B,): chunk i at i, X_D at n (paper Eq. 2)
-        if self.scfg.chunk_ids in ("clamp", "random"):
-            return other_chunk_positions(self.scfg, B, n, device, self.training)
-        ids = torch.arange(n + 1, device=device)
-        return ids[:n].expand(B, n), ids[n].expand(B)
+
+def chunk_positions(scfg, B, n, device, training):
+    # The chunk-level position ids of Eq. 2 -> the keys' (B, n) and the queries' (B,), or Nones.
+    # "plain" (the paper): the keys of chunk i at i, every X_D query at n. "off": no ids (ablation).
+    # Beyond the paper, for reading more chunks than training saw:
+    # "clamp": ids below n - max_chunk_dist are raised to it, so every chunk older than the
+    #   max_chunk_dist most recent ones sits at the largest distance training saw (ReRoPE, Su 2023,
+    #   clamps token distances this way). With n <= max_chunk_dist (training) it IS plain.
+    # "random" (plain at inference): in training, n distinct ids drawn from 0..span-1 and sorted,
+    #   the queries one past the last, with the span log-uniform in n..max_chunk_id: dense ids and
+    #   every scale of distance up to max_chunk_id are seen, each octave as often (Ruoss et al.,
+    #   2023: randomized positional encodings).
+    if scfg.chunk_ids == "off":
+        return None, None
+    if scfg.chunk_ids == "random" and training:
+        if n > scfg.max_chunk_id:
+            raise ValueError(f"{n} chunks need chunk ids up to {n}; "
+                             f"max_chunk_id is {scfg.max_chunk_id}")
+        u = torch.rand(B, 1, device=device)
+        span = (n * ((scfg.max_chunk_id + 1) / n) ** u).long().clamp(n, scfg.max_chunk_id)  # (B,1)
+        draw = torch.rand(B, scfg.max_chunk_id, device=device)
+        draw[torch.arange(scfg.max_chunk_id, device=device)[None] >= span] = 2.0   # never drawn
+        ids = draw.argsort(dim=1)[:, :n].sort(dim=1).values                        # (B, n)
+        return ids, ids[:, -1] + 1
+    ids = torch.arange(n + 1, device=device)
+    if scfg.chunk_ids == "clamp":
+        ids[:n] = ids[:n].clamp(min=n - scfg.max_chunk_dist)
+    return ids[:n].expand(B, n), ids[n].expand(B)
 
 # -----------------------------------------------------------------------------
 # the lower model's pieces: LLaMA modules used as SharedLLM needs them
 
 
 def lower_kv(llama, tokens, n_layers, kept_at, kv0=None):
-    # The lower model on R nodes at once: the bottom n_layers blocks over tokens (R, L) at positions 0..L-1 (causal,
-    # no cross-attention) -> per layer its self-attention K (rotated) and V at the kept positions kept_at (R, n_kept):
-    # n_layers x (K, V), each (R, Hkv, n_kept, hd). kv0: the first layer's K, V over tokens, if already computed.
+    # The lower model on R nodes at once: the bottom n_layers blocks over tokens (R, L) at positions
+    # 0..L-1 (causal, no cross-attention) -> per layer its self-attention K (rotated) and V at the
+    # kept positions kept_at (R, n_kept): n_layers x (K, V), each (R, Hkv, n_kept, hd).
+    # kv0: the first layer's K, V over tokens, if already computed.
     cos, sin = llama.rope(torch.arange(tokens.shape[1], device=tokens.device))
     x, out = llama.tok_embeddings(tokens), []
-    at = kept_at[:, None, :, None]                                                # (R, 1, n_kept, 1)
-    take = lambda t: t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3]))      # (R, Hkv, L, hd) -> kept
+    at = kept_at[:, None, :, None]                                       # (R, 1, n_kept, 1)
+    take = lambda t: t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3]))   # (R,Hkv,L,hd) -> kept
     for i, block in enumerate(llama.layers[:n_layers]):
         att, given = block.attention, (kv0 if i == 0 else None)
-        if i == n_layers - 1:   # the last block's output is never used: only the kept tokens' K and V
+        if i == n_layers - 1:   # the last block's output is never used: only the kept tokens' K, V
             if given is not None:
                 out.append((take(given[0]), take(given[1])))
             else:
-                xk = x.gather(1, kept_at[:, :, None].expand(-1, -1, x.shape[2]))       # (R, n_kept, dim)
-                out.append(att.kv(block.attention_norm(xk), cos[kept_at][:, None], sin[kept_at][:, None]))
+                xk = x.gather(1, kept_at[:, :, None].expand(-1, -1, x.shape[2]))  # (R,n_kept,dim)
+                cos_k, sin_k = cos[kept_at][:, None], sin[kept_at][:, None]
+                out.append(att.kv(block.attention_norm(xk), cos_k, sin_k))
             break
         h = block.attention_norm(x)   # the block's forward, written out to keep its K and V
         q = att.query(h, (cos, sin))
@@ -631,139 +741,167 @@ def lower_kv(llama, tokens, n_layers, kept_at, kv0=None):
 
 
 def first_layer_kv(llama, tokens):
-    # The first layer's K (before RoPE) and V of every token of tokens (...): (..., Hkv, hd) each. The first layer reads
-    # the embedding, so these depend on the token alone; only K's rotation depends on where a sequence starts. The
-    # query policy computes them once for all context tokens; the encoding then reuses them (sequence_kv).
+    # The first layer's K (before RoPE) and V of every token of tokens (...): (..., Hkv, hd) each.
+    # The first layer reads the embedding, so these depend on the token alone; only K's rotation
+    # depends on where a sequence starts. The policies compute them once for all context tokens;
+    # the encoding then reuses them (sequence_kv).
     att = llama.layers[0].attention
     x = llama.layers[0].attention_norm(llama.tok_embeddings(tokens))
     return [w(x).unflatten(-1, (att.n_kv_heads, att.head_dim)) for w in (att.wk, att.wv)]
 
 
 def sequence_kv(llama, k, v):
-    # the first layer's K (not yet rotated) and V of R token sequences, (R, L, Hkv, hd) each, as attention reads them
-    # when each sequence starts at position 0: (R, Hkv, L, hd) each, K rotated to 0..L-1. Nothing is projected again.
+    # the first layer's K (not rotated) and V of R sequences, (R, L, Hkv, hd) each, as attention
+    # reads them when each sequence starts at position 0: (R, Hkv, L, hd) each, K rotated to 0..L-1
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     return apply_rope(k, *llama.rope(torch.arange(k.shape[2], device=k.device))), v
 
 
-def retrieval_vector(llama, tokens, ends, starts=None, kv=None):
-    # The vector the query policy compares: the first block (attention + MLP) then the final norm, at the last position
-    # of a span, the span read as a sequence of its own. (The paper says "one self-attention layer"; this follows the
-    # released code, whose vector also went through the MLP and the norm.) tokens (R, L): token rows; ends, starts
-    # (R, n_spans): spans [start, end] per row, both INCLUSIVE (a tree.Node's end is exclusive; starts None = 0)
-    # -> (R, n_spans, dim). Only that one position's output is needed, so only it gets a query, attention and MLP.
-    # kv: the first layer's K (rotated at 0..L-1), V of the rows, if already computed.
-    R, n_spans = ends.shape
-    layer, att = llama.layers[0], llama.layers[0].attention
-    if kv is None:
-        kv = sequence_kv(llama, *first_layer_kv(llama, tokens))                           # (R, Hkv, L, hd)
-    k, v = kv
-    x = llama.tok_embeddings(tokens.gather(1, ends))                                        # (R, n_spans, dim)
-    cos, sin = llama.rope(ends)                                                          # (R, n_spans, hd)
-    q = att.wq(layer.attention_norm(x)).view(R, n_spans, att.n_kv_heads, -1, att.head_dim).transpose(1, 2)
-    q = apply_rope(q, cos[:, None, :, None], sin[:, None, :, None])           # (R, Hkv, n_spans, G, hd), G = Hq/Hkv
-    # one query per span: a plain softmax over its own keys, in fp32
-    scores = (q.float().flatten(2, 3) @ k.float().transpose(-2, -1)).unflatten(2, q.shape[2:4])   # (R,Hkv,n_spans,G,L)
-    pos = torch.arange(k.shape[2], device=tokens.device)
-    lo = 0 if starts is None else starts[..., None]
-    outside = (pos > ends[..., None]) | (pos < lo)                                       # (R, n_spans, L)
-    scores = scores.masked_fill(outside[:, None, :, None], float("-inf")) / math.sqrt(att.head_dim)
-    y = (scores.softmax(dim=-1).flatten(2, 3) @ v.float()).unflatten(2, q.shape[2:4])   # (R, Hkv, n_spans, G, hd)
-    x = x + att.wo(y.permute(0, 2, 1, 3, 4).reshape(R, n_spans, -1).to(x.dtype))               # heads in order
-    return llama.norm(x + layer.feed_forward(layer.ffn_norm(x)))
-
-
 def retrieval_vector_reference(llama, span):
-    # The same vector, the obvious way (retrieval_vector is tested equal to it): the span (L,)
-    # read as a sequence of its own by the first block, then the final norm, at its last position
-    # -> (dim,)
+    # The vector the paper's search compares, the obvious way: the span (L,) read as a sequence of
+    # its own by the first block, then the final norm, at its last position -> (dim,). (The paper
+    # says "one self-attention layer"; the released code's vector also went through the MLP and
+    # the norm, and so does this one.)
     pos = torch.arange(len(span), device=span.device)
     x = llama.layers[0](llama.tok_embeddings(span[None]), llama.rope(pos))
     return llama.norm(x)[0, -1]
 
 
+def retrieval_vector(llama, tokens, ends, starts=None, kv=None):
+    # retrieval_vector_reference for many spans at once (tested equal to it). tokens (R, L): token
+    # rows; ends, starts (R, n_spans): spans [start, end] per row, both INCLUSIVE (a tree.Node's end
+    # is exclusive; starts None = 0) -> (R, n_spans, dim). Only the span's last position is needed,
+    # so only it gets a query, attention and the MLP. kv: the first layer's K (rotated at 0..L-1)
+    # and V of the rows, if already computed.
+    R, n_spans = ends.shape
+    layer, att = llama.layers[0], llama.layers[0].attention
+    if kv is None:
+        kv = sequence_kv(llama, *first_layer_kv(llama, tokens))                 # (R, Hkv, L, hd)
+    k, v = kv
+    x = llama.tok_embeddings(tokens.gather(1, ends))                            # (R, n_spans, dim)
+    cos, sin = llama.rope(ends)                                                 # (R, n_spans, hd)
+    # grouped-query attention: query head h = kv_head * G + g, so the Hq query heads split as
+    # (Hkv, G), and the G heads of a group (for every span) share that kv head's keys
+    q = att.wq(layer.attention_norm(x)).view(R, n_spans, att.n_kv_heads, -1, att.head_dim)
+    q = q.transpose(1, 2)                                   # (R, Hkv, n_spans, G, hd), G = Hq/Hkv
+    q = apply_rope(q, cos[:, None, :, None], sin[:, None, :, None])
+    # one query per span: a plain softmax over its own keys, in fp32
+    scores = (q.float().flatten(2, 3) @ k.float().transpose(-2, -1))
+    scores = scores.unflatten(2, q.shape[2:4])                           # (R, Hkv, n_spans, G, L)
+    pos = torch.arange(k.shape[2], device=tokens.device)
+    lo = 0 if starts is None else starts[..., None]
+    outside = (pos > ends[..., None]) | (pos < lo)                               # (R, n_spans, L)
+    scores = scores.masked_fill(outside[:, None, :, None], float("-inf")) / math.sqrt(att.head_dim)
+    y = (scores.softmax(dim=-1).flatten(2, 3) @ v.float()).unflatten(2, q.shape[2:4])
+    y = y.permute(0, 2, 1, 3, 4).reshape(R, n_spans, -1)                        # heads in order
+    x = x + att.wo(y.to(x.dtype))
+    return llama.norm(x + layer.feed_forward(layer.ffn_norm(x)))
+
+
 def to_device(values, device):
-    # a small index list made on the host, sent without waiting for the device: torch.tensor(values, device="cuda")
-    # would first wait for all queued GPU work (a host sync per tree level and per encoding call)
+    # a small index list made on the host, sent without waiting for the device: torch.tensor(values,
+    # device="cuda") would first wait for all queued GPU work (a host sync per level and call)
     return torch.tensor(values).to(device, non_blocking=True)
 
 
 def gather_spans(rows, row_ids, spans):
-    # rows: (R0, C) token ids; spans[i] = (start, end) inside rows[row_ids[i]]. Returns (R, L) tokens right-padded
-    # by repeating each span's last token (harmless: every consumer is causal and reads only real positions), and
-    # the (R, L) positions of those tokens in rows.flatten() (to gather anything kept per context token alike).
+    # rows: (R0, C) token ids; spans[i] = (start, end) inside rows[row_ids[i]] -> (R, L) tokens,
+    # right-padded by repeating each span's last token (harmless: every consumer is causal and reads
+    # only real positions), and the (R, L) positions of those tokens in rows.flatten() (to gather
+    # anything kept per context token alike).
     dev, C = rows.device, rows.shape[1]
     lens = [e - s for s, e in spans]
     starts = to_device([r * C + s for r, (s, _) in zip(row_ids, spans)], dev)
-    at = starts[:, None] + torch.minimum(torch.arange(max(lens), device=dev)[None], to_device(lens, dev)[:, None] - 1)
+    steps = torch.arange(max(lens), device=dev)[None]
+    at = starts[:, None] + torch.minimum(steps, to_device(lens, dev)[:, None] - 1)
     return rows.reshape(-1)[at], at
 
+
+def frozen_copy(llama, m):
+    # lower="copy": the lower model as its own frozen copy of the embedding, the bottom m blocks and
+    # the final norm (retrieval_vector reads it): training the upper model leaves it as it was
+    lower = copy.deepcopy(llama)
+    lower.layers, lower.output = lower.layers[:m], None
+    return lower.requires_grad_(False)
+
 # -----------------------------------------------------------------------------
-# Options beyond the paper, each a SharedConfig setting; docs/differences.md says what it changes and what it
-# measured. One of them is on by default: chunk_ids="random" (the paper's Eq. 2 is chunk_ids="plain"); the others
-# (clamped ids, log-n scaling, inject top / interleaved, lower="copy", keep="first", policy="attention" with its
-# search_loss, policy="query_mean") are off unless named.
+# Options beyond the paper, each used by a recipe (config/*.py, WORKSHOP.md) or explained by a
+# measurement in docs/experiments.md. One is on by default: chunk_ids="random" (chunk_positions,
+# beside step 4). The others are off unless named: chunk_ids="clamp" and logn_scale (reading past
+# the trained length: the LLaMA-2 and SmolLM2 recipes, the workshop), policy="query_mean"
+# (SmolLM2's retrieval recipe), policy="attention" and its search_loss (train.py --search_loss,
+# through forward's key_at: the search measured in docs/experiments.md). keep="first" (the
+# authors' released code; a workshop exercise) is one line of tree.keep_index.
 
 
 def mean_embedding_policy(llama, rows, idx, query_len):
-    # policy="query_mean": the query-aware search of Step 1 with another similarity, the cosine of MEAN TOKEN EMBEDDINGS
-    # (the query's tokens against each child span's). The paper's vector is the first layer's output at one position, a
-    # span's last token, which on a pretrained model reads mostly that token: on SmolLM2 it left the passkey in its
-    # chunk's coarsest node MORE often than "always right" does (docs/real_model.md). A mean over the span sees every
-    # token, so words the question shares with the needle ("pass key") pull the search toward it. Prefix sums give
-    # every span's mean at once. rows: (B*n, C); idx: (B, T); query_len: (B,) on the host -> decide(level, lefts, rights)
+    # policy="query_mean": Step 1 with another similarity, the cosine of MEAN TOKEN EMBEDDINGS (the
+    # question's tokens against each child span's). The paper's vector is the first layer's output
+    # at a span's last token, which on a pretrained model reads mostly that token: on SmolLM2 it
+    # left the passkey in its chunk's coarsest node more often than "always right" does
+    # (docs/real_model.md). A mean sees every token, so words the question shares with the needle
+    # ("pass key") pull the search toward it. Prefix sums give every span's mean at once.
+    # rows: (B*n, C); idx: (B, T); query_len: (B,) on the host -> decide(level, lefts, rights)
     R, C = rows.shape
     n = R // idx.shape[0]
     no_query = (query_len == 0).repeat_interleave(n).tolist()
     with torch.no_grad():
         emb = llama.tok_embeddings.weight
-        in_query = (torch.arange(idx.shape[1])[None] < query_len[:, None]).to(idx.device)      # (B, T)
-        q = (emb[idx].float() * in_query[..., None]).sum(1) / in_query.sum(1, keepdim=True).clamp(min=1)   # (B, dim)
-        q = q.repeat_interleave(n, dim=0)                                                    # (B*n, dim)
-        prefix = F.pad(emb[rows].float().cumsum(1), (0, 0, 1, 0))                           # (B*n, C+1, dim)
+        in_query = (torch.arange(idx.shape[1])[None] < query_len[:, None]).to(idx.device)  # (B, T)
+        q = (emb[idx].float() * in_query[..., None]).sum(1)
+        q = q / in_query.sum(1, keepdim=True).clamp(min=1)                            # (B, dim)
+        q = q.repeat_interleave(n, dim=0)                                             # (B*n, dim)
+        prefix = F.pad(emb[rows].float().cumsum(1), (0, 0, 1, 0))                # (B*n, C+1, dim)
 
     def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
-        b = to_device([[*left, *right] for left, right in zip(lefts, rights)], rows.device)      # (B*n, 4) bounds
+        b = to_device([[*lf, *rt] for lf, rt in zip(lefts, rights)], rows.device)   # (R, 4)
         r = torch.arange(R, device=rows.device)
-        left = prefix[r, b[:, 1]] - prefix[r, b[:, 0]]      # (B*n, dim) span sums: the cosine ignores the division
-        right = prefix[r, b[:, 3]] - prefix[r, b[:, 2]]     # by the length
+        # span sums: the cosine ignores the division by the length
+        left = prefix[r, b[:, 1]] - prefix[r, b[:, 0]]
+        right = prefix[r, b[:, 3]] - prefix[r, b[:, 2]]
         right_closer = F.cosine_similarity(q, right, dim=-1) > F.cosine_similarity(q, left, dim=-1)
         return [go or nq for go, nq in zip(right_closer.tolist(), no_query)]
     return decide
 
 
 def cross_query(llama, idx, last):
-    # The question's query in the first cross-attention layer: what the upper model asks of the
-    # compressed context, at the question's last token.
+    # The question's query in the first cross-attention layer (the upper's layer 0): what the
+    # upper model asks of the compressed context, at the question's last token.
     # idx: (B, T) X_D; last: (B,) that token's position -> (B, Hq, hd), NOT rotated.
-    i0 = next(i for i, blk in enumerate(llama.layers) if blk.cross_src == 0)   # reads lower layer 0
+    blk = llama.layers[0]
     rope = llama.rope(torch.arange(idx.shape[1], device=idx.device))
     x = llama.tok_embeddings(idx)
-    for blk in llama.layers[:i0]:   # the layers below it (none when the bottom M cross-attend)
-        x = blk(x, rope)
-    blk = llama.layers[i0]
-    x = x + blk.attention(blk.attention_norm(x), rope)          # its self-attention, then
-    x = blk.cross_norm(x[torch.arange(idx.shape[0], device=idx.device), last])   # (B, dim), last token
-    q = blk.cross_attention.wq(x)[:, None]                      # (B, 1, Hq * hd)
+    x = x + blk.attention(blk.attention_norm(x), rope)                 # its self-attention, then
+    x = blk.cross_norm(x[torch.arange(idx.shape[0], device=idx.device), last])   # (B, dim)
+    q = blk.cross_attention.wq(x)[:, None]                             # (B, 1, Hq * hd)
     return split_heads(q, blk.cross_attention.n_heads, llama.cfg.head_dim)[:, :, 0]
 
 
+def search_scores(llama, idx, query_len, k0):
+    # the question's cross-attention query (cross_query) against the first lower layer's key of
+    # every context token, by content only (neither rotated): a key's rotation depends on where
+    # its node starts, which differs from level to level, so the search compares contents.
+    # idx (B, T), query_len (B,), k0 (B, L, Hkv, hd) keys before RoPE -> (B, L, Hq), in fp32
+    B, L, Hkv, hd = k0.shape
+    last = (torch.as_tensor(query_len).to(idx.device) - 1).clamp(min=0)
+    q = cross_query(llama, idx, last).float().view(B, Hkv, -1, hd)            # (B, Hkv, G, hd)
+    return torch.einsum("bkgd,bckd->bckg", q, k0.float()).flatten(2) / math.sqrt(hd)
+
+
 def attention_policy(llama, rows, idx, query_len, k0):
-    # policy="attention": expand the child that the model itself would read. The question's
-    # cross-attention query (cross_query) is scored against the first lower layer's key of every
-    # context token, by content alone (neither is rotated). Were a head to read both children
-    # uncompressed, its softmax would split between them; the tree expands the child that gets the
-    # larger share, averaged over heads. No new weights: training the cross-attention trains it.
-    # Prefix sums give every span's share at once.
+    # policy="attention": expand the child that the model itself would read. Were a head to read
+    # both children uncompressed, its softmax over search_scores would split between them; the tree
+    # expands the child that gets the larger share, averaged over heads. No new weights: training
+    # the cross-attention trains it. Prefix sums give every span's share at once.
     # rows: (R, C), R = B*n; idx: (B, T); query_len: (B,) on the host;
-    # k0: the first lower layer's K before RoPE of every context token, (R*C, Hkv, hd)
-    # -> decide(level, lefts, rights)
+    # k0: the first lower layer's K before RoPE of every context token, (R*C, Hkv, hd) -> decide
     (R, C), B = rows.shape, idx.shape[0]
     n = R // B
     no_query = (query_len == 0).repeat_interleave(n).tolist()
     with torch.no_grad():   # one row of X_C per sample: its n chunks' tokens in order
         s = search_scores(llama, idx, query_len, k0.view(B, n * C, *k0.shape[1:])).view(R, C, -1)
-        exact = torch.float32 if s.device.type == "mps" else torch.float64   # (MPS has no float64)
+        # float64: a span's mass is a difference of two large prefix sums (MPS has no float64)
+        exact = torch.float32 if s.device.type == "mps" else torch.float64
         w = (s - s.amax(1, keepdim=True)).to(exact).exp()                  # softmax numerators
         prefix = F.pad(w.cumsum(1), (0, 0, 1, 0))                          # (R, C+1, Hq)
 
@@ -772,78 +910,29 @@ def attention_policy(llama, rows, idx, query_len, k0):
         r = torch.arange(R, device=rows.device)
         left = prefix[r, b[:, 1]] - prefix[r, b[:, 0]]                     # (R, Hq) mass per head
         right = prefix[r, b[:, 3]] - prefix[r, b[:, 2]]
-        share = (right / (left + right)).nan_to_num(0.5).mean(-1)         # (R,) right's mean share
+        # (R,) right's mean share; both children at 0 (underflow) is a tie
+        share = (right / (left + right)).nan_to_num(0.5).mean(-1)
         return [go or nq for go, nq in zip((share > 0.5).tolist(), no_query)]
     return decide
 
 
-def search_scores(llama, idx, query_len, k0):
-    # the scores policy="attention" compares: the question's cross-attention query (cross_query)
-    # against the first lower layer's key of every context token, content only (no rotation).
-    # idx (B, T), query_len (B,), k0 (B, L, Hkv, hd) keys before RoPE -> (B, L, Hq), in fp32
-    B, L, Hkv, hd = k0.shape
-    last = (torch.as_tensor(query_len).to(idx.device) - 1).clamp(min=0)
-    q = cross_query(llama, idx, last).float().view(B, Hkv, -1, hd)            # (B, Hkv, G, hd)
-    return torch.einsum("bkgd,bckd->bckg", q, k0.float()).flatten(2) / math.sqrt(hd)
-
-
 def search_loss(model, context, idx, query_len, key_at):
-    # policy="attention" trained where the answer is known: the question's attention over the whole
-    # context (search_scores, a softmax per head) should fall on the tokens of the answer
+    # policy="attention" trained where the answer is known: the question's attention over the
+    # whole context (search_scores, a softmax per head) should fall on the answer's tokens
     # (key_at: (B, n*C) bool), as a retriever is trained on passages that hold the answer. Without
     # it the search follows whatever the first cross-attention layer reads, which on some seeds is
     # not the key (docs/experiments.md). -> mean over rows and heads of -log(mass on the answer)
-    k0 = first_layer_kv(model.lower_model(), context.reshape(len(context), -1))[0]   # (B, n*C, Hkv, hd)
+    k0 = first_layer_kv(model.lower_model(), context.reshape(len(context), -1))[0]  # B,nC,Hkv,hd
     logp = search_scores(model.upper, idx, query_len, k0).log_softmax(1)
     mass = logp.masked_fill(~key_at[..., None], float("-inf")).logsumexp(1)  # (B, Hq)
     return -mass.mean()
 
 
-def other_chunk_positions(scfg, B, n, device, training):
-    # Chunk ids other than the paper's plain 0..n-1 (keys) and n (queries):
-    # "clamp": ids below n - max_chunk_dist are raised to it, so every chunk older than the max_chunk_dist most recent
-    #   ones sits at the largest distance training saw (ReRoPE, Su 2023, clamps token distances this way). With
-    #   n <= max_chunk_dist (training) it IS plain.
-    # "random" (plain at inference): in training n distinct ids drawn from 0..span-1 and sorted, the queries one past
-    #   the last of them, with the span drawn log-uniformly from n..max_chunk_id: dense ids and every scale of distance
-    #   up to max_chunk_id are all seen, each octave as often (Ruoss et al., 2023: randomized positional encodings).
-    if scfg.chunk_ids == "random" and training:
-        if n > scfg.max_chunk_id:
-            raise ValueError(f"{n} chunks need chunk ids up to {n}; max_chunk_id is {scfg.max_chunk_id}")
-        u = torch.rand(B, 1, device=device)
-        span = (n * ((scfg.max_chunk_id + 1) / n) ** u).long().clamp(n, scfg.max_chunk_id)   # (B, 1)
-        draw = torch.rand(B, scfg.max_chunk_id, device=device)
-        draw[torch.arange(scfg.max_chunk_id, device=device)[None] >= span] = 2.0            # never drawn: >= span
-        ids = draw.argsort(dim=1)[:, :n].sort(dim=1).values                                 # (B, n)
-        return ids, ids[:, -1] + 1
-    ids = torch.arange(n + 1, device=device)
-    if scfg.chunk_ids == "clamp":
-        ids[:n] = ids[:n].clamp(min=n - scfg.max_chunk_dist)
-    return ids[:n].expand(B, n), ids[n].expand(B)
-
-
 def logn_scale(scfg, n, S):
-    # The cross-attention queries' scale. With logn_scale on and more chunks than training saw (n > max_chunk_dist):
-    # log(keys) / log(keys at the trained length), sharpening the softmax so that the few keys that matter keep their
-    # weight against many more (attention entropy as trained: Chiang & Cholak 2022; Qwen's log-n scaling). Else 1.
+    # The cross-attention queries' scale. With logn_scale on and more chunks than training saw
+    # (n > max_chunk_dist): log(keys) / log(keys at the trained length), sharpening the softmax so
+    # that the few keys that matter keep their weight against many more (attention entropy as
+    # trained: Chiang & Cholak 2022; Qwen's log-n scaling). Else 1.
     if not scfg.logn_scale or n <= scfg.max_chunk_dist:
         return 1.0
     return math.log(n * S) / math.log(max(2, scfg.max_chunk_dist * S))
-
-
-def injection_layers(n_layers, m, where):
-    # which upper layers get cross-attention; the j-th of them reads lower layer j. "bottom" is the paper's.
-    if where == "bottom":
-        return list(range(m))
-    if where == "top":
-        return list(range(n_layers - m, n_layers))
-    stride = n_layers // m   # "interleaved": layers stride-1, 2*stride-1, ... (4, 8, 12, ... counted from 1)
-    return [(j + 1) * stride - 1 for j in range(m)]
-
-
-def frozen_copy(llama, m):
-    # lower="copy": the lower model as its own frozen copy of the embedding, the bottom m blocks and the final norm
-    # (retrieval_vector reads it): what the upper model trains (train.py: --train=cross+top or upper) leaves it as it was
-    lower = copy.deepcopy(llama)
-    lower.layers, lower.output = lower.layers[:m], None
-    return lower.requires_grad_(False)

@@ -94,13 +94,11 @@ max_chunk_dist = 0          # "clamp": the largest query-key chunk distance; 0 =
 max_chunk_id = 1024         # "random": ids drawn up to this in training = the longest context in distribution (chunks)
 logn_scale = False          # inference beyond n_chunks: scale cross-attention queries by log(keys) / log(keys in training)
                             # (keeps passkey retrieval sharp over many more keys, costs language modeling there: README)
-inject = "bottom"           # "bottom" | "top" | "interleaved"
 activation_checkpointing = False
 light_ckpt = True           # from a pretrained folder: checkpoints hold only what trains, plus the base's path and
                             # sha256 (a 7B run saves megabytes, not 13.5 GB); from scratch they always hold everything
 gradient_accumulation_steps = 1
 stop_iter = 0               # stop (checkpointed) at this iteration without changing the schedule; 0 = run to max_iters
-lr_decay_iters = 0          # the cosine reaches min_lr here and stays; 0 = max_iters
 ema_decay = 0.998           # evaluate and save an exponential moving average of the trained weights (half-life ~350
                             # iterations at 0.998); 0 = off. The raw weights ride along for resume.
 weight_decay = 0.0
@@ -150,9 +148,9 @@ def main():
     loss_sum, loss_n = {}, {}   # per batch kind, summed on the device between log lines
 
     # the loop
-    peak = peak_flops(dev_type, getattr(torch, dt)) if master else 1.0
+    clock = Clock(dev_type, dt, world, master)
     raw.train()
-    t0, t_start, start_iter = time.time(), time.time(), iter_num   # a resumed run does not re-evaluate its checkpoint
+    start_iter = iter_num   # a resumed run does not re-evaluate its checkpoint
     while True:
         last = iter_num >= max_iters or 0 < stop_iter <= iter_num
         due = (iter_num % eval_interval == 0 or last) and (iter_num > start_iter or eval_only)   # the same on every rank
@@ -167,17 +165,20 @@ def main():
                 res = evaluate(raw, tok, splits, eval_counts[which], lm_eval_counts, iters, iter_num, dev, autocast)
             print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
             log(log_path, iter=iter_num, eval=res)
-            t0 = time.time()   # eval time is not training time
+            clock.last = time.time()   # eval time is not training time
         if last or eval_only:
             break
         lr = set_lr(optimizer, iter_num)
+        # SharedLLM: this step's context length (chunks) and compression (beta), from the curricula
         n = scheduled(chunk_pairs, iter_num, n_chunks)
         raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # an inference-time setting: no new weights
         for micro in range(gradient_accumulation_steps):
+            # SharedLLM: a batch is X_C (n chunks), X_D with its targets, the question's length, and
+            # (search_loss) where the answer stands in X_C
             kind, (ctx, idx, tgt, ql, key_at) = next_batch(rng, iter_num, tok, splits, n, dev)
             sync = nullcontext() if not ddp or micro == gradient_accumulation_steps - 1 else model.no_sync()
             with sync, autocast:
-                _, loss = model(ctx, idx, tgt, ql, key_at)
+                _, loss = model(ctx, idx, tgt, ql, key_at)   # SharedLLM: compress X_C, then read X_D
             nonfinite |= ~torch.isfinite(loss.detach())   # on the device: read at the next log line or checkpoint
             loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
             loss_n[kind] = loss_n.get(kind, 0) + 1
@@ -186,11 +187,9 @@ def main():
         iter_num += 1
         if iter_num % log_interval == 0 and master:
             checked_at = check_finite(nonfinite, checked_at, iter_num)
-            dt_, t0 = (time.time() - t0) / log_interval, time.time()
             losses = {k: (loss_sum[k] / loss_n[k]).item() for k in loss_sum}   # mean per batch kind since the last line
             loss_sum, loss_n = {}, {}
-            peak, t0 = log_step(log_path, raw, iter_num, losses, lr, dt_, n, idx.shape[1], world, peak, t0, t_start,
-                                dev_type, dt)
+            log_step(log_path, clock, raw, iter_num, losses, lr, n, idx.shape[1])
     if ddp:
         torch.distributed.barrier()   # the others wait for rank 0's last eval and checkpoint: no rank tears down early
         torch.distributed.destroy_process_group()
@@ -215,7 +214,7 @@ def setup_processes():
 def check_settings(dev, dev_type, dt):
     # every setting that can be checked before anything is built
     inf = float("inf")
-    check_ranges(globals(), dict(passkey_frac=(0, 1), context_dropout=(0, 1), lr_decay_iters=(0, inf), eval_iters=(1, inf),
+    check_ranges(globals(), dict(passkey_frac=(0, 1), context_dropout=(0, 1), eval_iters=(1, inf),
                                  final_eval_iters=(0, inf), batch_size=(1, inf), gradient_accumulation_steps=(1, inf),
                                  max_iters=(1, inf), eval_interval=(1, inf), log_interval=(1, inf), warmup_iters=(0, inf),
                                  noise=(0, inf), n_chunks=(1, inf), block_size=(1, inf), stop_iter=(0, inf)))
@@ -247,7 +246,7 @@ def shared_config():
     # this run's model.SharedConfig settings, from the config block
     return dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy, keep=keep, noise=noise,
                 chunk_ids=chunk_ids, max_chunk_dist=max_chunk_dist or n_chunks, max_chunk_id=max_chunk_id,
-                logn_scale=logn_scale, inject=inject, lower="shared" if train in ("all", "cross") else "copy")
+                logn_scale=logn_scale, lower="shared" if train in ("all", "cross") else "copy")
 
 # -----------------------------------------------------------------------------
 # the model
@@ -497,11 +496,10 @@ def set_lr(optimizer, it):
     return lr
 
 
-def get_lr(it):   # linear warmup, then cosine down to min_lr at lr_decay_iters (default max_iters), then flat
+def get_lr(it):   # linear warmup, then cosine down to min_lr at max_iters
     if it < warmup_iters:
         return learning_rate * (it + 1) / warmup_iters
-    decay_end = lr_decay_iters or max_iters
-    ratio = min(1.0, (it - warmup_iters) / max(1, decay_end - warmup_iters))
+    ratio = min(1.0, (it - warmup_iters) / max(1, max_iters - warmup_iters))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
@@ -685,20 +683,36 @@ def log(log_path, **record):
         f.write(json.dumps(record) + "\n")
 
 
-def log_step(log_path, raw, iter_num, losses, lr, dt_, n, T, world, peak, t0, t_start, dev_type, dt):
-    # the step's line: losses per batch kind, speed, model FLOPs utilisation; -> the peak and the clock, maybe renewed
-    toks = gradient_accumulation_steps * batch_size * world * (n * chunk_size + T)
+class Clock:
+    # the step lines' speed: training time since the last line (evaluations excluded), the run's
+    # minutes, and the device's peak FLOP/s for the model FLOPs utilisation
+    def __init__(self, dev_type, dt, world, master):
+        self.dev_type, self.dt, self.world = dev_type, dt, world
+        self.peak = peak_flops(dev_type, getattr(torch, dt)) if master else 1.0
+        self.start = self.last = time.time()
+
+    def lap(self):   # seconds per iteration since the last line
+        now = time.time()
+        dt_, self.last = (now - self.last) / log_interval, now
+        return dt_
+
+
+def log_step(log_path, clock, raw, iter_num, losses, lr, n, T):
+    # the step's line: losses per batch kind, speed, model FLOPs utilisation
+    dt_ = clock.lap()
+    toks = gradient_accumulation_steps * batch_size * clock.world * (n * chunk_size + T)
     flops = step_flops(raw, n, T) * gradient_accumulation_steps * batch_size
-    if flops / dt_ > peak:   # faster than the start-up "peak": it was measured while the machine was busy
-        peak = max(peak_flops(dev_type, getattr(torch, dt)), flops / dt_)
-        t0 = time.time()     # measuring is not training time
+    if flops / dt_ > clock.peak:   # faster than the start-up "peak": measured while the machine was busy
+        clock.peak = max(peak_flops(clock.dev_type, getattr(torch, clock.dt)), flops / dt_)
+        clock.last = time.time()   # measuring is not training time
+    minutes = (time.time() - clock.start) / 60
     print(f"iter {iter_num}: loss " + " ".join(f"{v:.4f}" + (f" ({k})" if len(losses) > 1 else "")
                                                for k, v in losses.items())
-          + f", lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, {toks / dt_:,.0f} tok/s, mfu {100 * flops / dt_ / peak:.1f}% "
-          f"(of {peak / 1e12:.2f} TFLOP/s), chunks {n}, {(time.time() - t_start) / 60:.1f} min", flush=True)
-    log(log_path, iter=iter_num, loss=losses, lr=lr, ms_per_iter=1000 * dt_, tok_per_s=toks / dt_, mfu=flops / dt_ / peak,
-        peak_flops=peak, chunks=n, beta=raw.scfg.beta, minutes=(time.time() - t_start) / 60)
-    return peak, t0
+          + f", lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, {toks / dt_:,.0f} tok/s, "
+          f"mfu {100 * flops / dt_ / clock.peak:.1f}% (of {clock.peak / 1e12:.2f} TFLOP/s), chunks {n}, "
+          f"{minutes:.1f} min", flush=True)
+    log(log_path, iter=iter_num, loss=losses, lr=lr, ms_per_iter=1000 * dt_, tok_per_s=toks / dt_,
+        mfu=flops / dt_ / clock.peak, peak_flops=clock.peak, chunks=n, beta=raw.scfg.beta, minutes=minutes)
 
 
 def step_flops(m, n, T):

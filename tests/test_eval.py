@@ -336,8 +336,8 @@ def test_clamp_at_inference_uses_the_trained_distance(micro_ckpt, tmp_path, monk
     torch.save(ck, tmp_path / "plain" / "ckpt.pt")
     monkeypatch.chdir(tmp_path)
     base = ["--task=passkey", "--chunks=3", "--samples=2", "--depths=0", "--device=cpu"]
-    for args, want in [([], "chunk_ids='plain', max_chunk_dist=4"), (["--chunk_ids=clamp"], "chunk_ids='clamp', max_chunk_dist=3"),
-                       (["--chunk_ids=clamp", "--max_chunk_dist=7"], "chunk_ids='clamp', max_chunk_dist=7")]:
+    for args, want in [([], "chunk_ids='plain', lower='shared', max_chunk_dist=4"), (["--chunk_ids=clamp"], "chunk_ids='clamp', lower='shared', max_chunk_dist=3"),
+                       (["--chunk_ids=clamp", "--max_chunk_dist=7"], "chunk_ids='clamp', lower='shared', max_chunk_dist=7")]:
         cfg = config_of(vars(E))
         parse_overrides([f"--init_from={tmp_path / 'plain'}"] + base + args, cfg, E.__file__)
         E.main(cfg)
@@ -405,3 +405,17 @@ def test_a_light_checkpoint_whose_base_moved_is_named(tmp_path, monkeypatch):
     for script in (S, E):
         assert f"a light checkpoint (only the trained weights); its base model {ck} is not there" in error_of(
             script, [f"--init_from={tmp_path / 'out'}", "--device=cpu"], tmp_path, monkeypatch)
+
+
+def test_a_checkpoint_from_before_inject_was_removed(micro_ckpt, tmp_path):
+    # checkpoints that still name inject: "bottom" (what every recipe trained) loads as before; "top" or
+    # "interleaved" (an option since removed) is refused, naming the file and the setting
+    ck = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
+    for where in ("bottom", "top"):
+        ck["model_args"]["shared"]["inject"] = where
+        torch.save(ck, tmp_path / f"{where}.pt")
+    m, _, _ = load_sharedllm(str(tmp_path / "bottom.pt"))
+    n_lower = ck["model_args"]["shared"]["n_lower"]
+    assert [i for i, b in enumerate(m.upper.layers) if b.cross_attention is not None] == list(range(n_lower))
+    with pytest.raises(ValueError, match=r"top.pt: trained with cross-attention in the top layers"):
+        load_sharedllm(str(tmp_path / "top.pt"))

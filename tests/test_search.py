@@ -57,11 +57,11 @@ def data_tok():
     return ByteTokenizer()
 
 
-def build(policy, seed=0, inject="bottom"):
+def build(policy, seed=0):
     torch.manual_seed(seed)
-    base = M.Llama(M.preset("micro", n_layers=4)).eval()   # interleaved: layers 1 and 3 cross-attend
-    s = M.SharedLLM.from_llama(base, n_lower=2, chunk_size=64, height=3, beta=4, policy=policy, chunk_ids="plain",
-                               inject=inject).eval()
+    base = M.Llama(M.preset("micro", n_layers=4)).eval()
+    s = M.SharedLLM.from_llama(base, n_lower=2, chunk_size=64, height=3, beta=4, policy=policy,
+                               chunk_ids="plain").eval()
     for blk in s.upper.layers:   # a cross-attention query unlike the self-attention's it starts as
         if blk.cross_attention is not None:
             torch.nn.init.normal_(blk.cross_attention.wq.weight, std=0.3)
@@ -78,29 +78,24 @@ def walk(nodes, C=64):   # the expanded child at each level 1..h-1, read back fr
     return out
 
 
-@pytest.mark.parametrize("inject", ["bottom", "interleaved"])
-def test_attention_policy_is_the_share_of_the_questions_attention(inject):
+def test_attention_policy_is_the_share_of_the_questions_attention():
     # policy="attention": each tree expands the child that receives the larger share of the question's first
     # cross-attention query's softmax over both children's first-layer keys (content only), averaged over heads
-    s = build("attention", inject=inject)
+    s = build("attention")
     g = torch.Generator().manual_seed(1)
     ctx, idx = torch.randint(0, 258, (2, 3, 64), generator=g), torch.randint(0, 258, (2, 20), generator=g)
     ql = torch.tensor([12, 20])
     low, up = s.upper, s.upper
-    i0 = M.injection_layers(4, 2, inject)[0]
-    blk, hd = up.layers[i0], up.cfg.head_dim
+    blk, hd = up.layers[0], up.cfg.head_dim   # the first cross-attention layer
     with torch.no_grad():
         nodes = s.compress(ctx, idx, ql).nodes
         rights = 0
         for r, nds in enumerate(nodes):
             b, row, (lo, hi) = r // 3, ctx[r // 3, r % 3], (0, 64)
-            # the question's query, the plain way: the whole upper model's layers below the first injection layer,
-            # then its self-attention, its cross_norm and wq at the last question token
+            # the question's query, the plain way: the first layer's self-attention, then its cross_norm and
+            # wq at the last question token
             x = up.tok_embeddings(idx[b:b + 1, :ql[b]])
-            rope = up.rope(torch.arange(ql[b]))
-            for layer in up.layers[:i0]:
-                x = layer(x, rope)
-            x = x + blk.attention(blk.attention_norm(x), rope)
+            x = x + blk.attention(blk.attention_norm(x), up.rope(torch.arange(ql[b])))
             q = blk.cross_attention.wq(blk.cross_norm(x[0, -1])).view(-1, hd)                 # (Hq, hd)
             a0 = low.layers[0].attention
             k = a0.wk(low.layers[0].attention_norm(low.tok_embeddings(row))).view(64, -1, hd)  # (C, Hkv, hd)
@@ -114,15 +109,22 @@ def test_attention_policy_is_the_share_of_the_questions_attention(inject):
                 lo, hi = (mid, hi) if right else (lo, mid)
             assert walk(nds) == expect, (r, walk(nds), expect)
             rights += sum(expect)
-        assert i0 == (1 if inject == "interleaved" else 0)   # the layers below the first one run too
         assert 0 < rights < 12                                # both ways taken: the test can tell them apart
         none = s.compress(ctx, idx, torch.tensor([0, 20])).nodes   # a row without a query goes right
         assert all(walk(nds) == [True, True] for nds in none[:3]) and none[3:] == nodes[3:]
 
 
-def test_query_policy_equals_the_reference_vector():
-    # the paper's search (policy="query"): the fast batched vectors choose as the obvious ones do, child by child
+@pytest.mark.parametrize("lower", ["shared", "copy"])
+def test_query_policy_equals_the_reference_vector(lower):
+    # the paper's search (policy="query"): the fast batched vectors choose as the obvious ones do, child by child;
+    # the question's vector comes from the upper model, the children's from the lower (told apart: "copy" with its
+    # weights moved)
     s = build("query")
+    if lower == "copy":
+        s = M.SharedLLM.from_llama(s.upper, **{**s.scfg.__dict__, "lower": "copy"}).eval()
+        with torch.no_grad():
+            for p in s.lower.layers[0].parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.2)
     g = torch.Generator().manual_seed(2)
     ctx, idx = torch.randint(0, 258, (2, 3, 64), generator=g), torch.randint(0, 258, (2, 20), generator=g)
     ql = torch.tensor([9, 20])
@@ -131,13 +133,10 @@ def test_query_policy_equals_the_reference_vector():
         nodes = s.compress(ctx, idx, ql).nodes
         for r, nds in enumerate(nodes):
             b, row, (lo, hi) = r // 3, ctx[r // 3, r % 3], (0, 64)
-            q = M.retrieval_vector_reference(up, idx[b, :ql[b]])
             expect = []
             for level in (1, 2):
                 mid = lo + (hi - lo) // 2
-                cos = [torch.cosine_similarity(q, M.retrieval_vector_reference(up, row[a:e]), 0) for a, e in
-                       ((lo, mid), (mid, hi))]
-                expect.append(bool(cos[1] > cos[0]))
+                expect.append(s.expand_right_reference(idx[b, :ql[b]], row[lo:mid], row[mid:hi]))
                 lo, hi = (mid, hi) if expect[-1] else (lo, mid)
             assert walk(nds) == expect, (r, walk(nds), expect)
             rights += sum(expect)

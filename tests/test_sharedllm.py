@@ -93,7 +93,7 @@ def test_clamped_chunk_ids_are_plain_up_to_the_trained_distance_and_merge_older_
     ctx, idx = data(n=3)
     with torch.no_grad():
         assert torch.equal(plain(ctx, idx)[0], clamp(ctx, idx)[0])      # n <= max_chunk_dist: exactly the paper's ids
-    k, q = clamp.chunk_positions(2, 7, "cpu")
+    k, q = M.chunk_positions(clamp.scfg, 2, 7, "cpu", training=False)
     assert k[0].tolist() == [4, 4, 4, 4, 4, 5, 6] and q.tolist() == [7, 7]   # distances 3,3,3,3,3,2,1: never above 3
     ctx, idx = data(n=7)
     with torch.no_grad():
@@ -112,7 +112,7 @@ def test_random_chunk_ids_are_plain_at_inference_and_keep_order_in_training():
     with torch.no_grad():
         assert torch.equal(plain(ctx, idx)[0], rand(ctx, idx)[0])          # eval: ids 0..n-1, queries at n
     rand.train()
-    k, q = rand.chunk_positions(4000, 4, "cpu")
+    k, q = M.chunk_positions(rand.scfg, 4000, 4, "cpu", training=True)
     assert (k[:, 1:] > k[:, :-1]).all() and torch.equal(q, k[:, -1] + 1)   # order kept; X_D right after the last chunk
     assert k.min() == 0 and q.max() == 40                                  # every id 0..40 in use
     dist = q[:, None] - k                                                  # query-key distances seen in training
@@ -124,7 +124,7 @@ def test_random_chunk_ids_are_plain_at_inference_and_keep_order_in_training():
     m1 = rand.compress(ctx, idx)
     torch.manual_seed(1)
     m2 = rand.compress(ctx, idx)
-    assert not torch.equal(m1.q_pos, m2.q_pos) and not torch.equal(m1.kv[0][0], m2.kv[0][0])
+    assert not torch.equal(m1.q_rope[0], m2.q_rope[0]) and not torch.equal(m1.kv[0][0], m2.kv[0][0])
     assert torch.equal(m1.kv[0][1], m2.kv[0][1])                           # values carry no position
     with pytest.raises(ValueError, match="5 chunks need chunk ids up to 5; max_chunk_id is 4"):
         build(chunk_ids="random", max_chunk_id=4)[0].train().compress(data(n=5)[0], idx)
@@ -241,7 +241,7 @@ def test_gradients_reach_exactly_the_trainable_parameters():
 
 
 @pytest.mark.parametrize("kw,n,B", [(dict(beta=1), 2, 1), (dict(height=1), 3, 2), ({}, 1, 1), ({}, 2, 4),
-                                    (dict(keep="first"), 2, 2), (dict(inject="top"), 2, 1), (dict(inject="interleaved", n_lower=1), 2, 1)])
+                                    (dict(keep="first"), 2, 2), (dict(n_lower=1), 2, 1)])
 def test_edge_cases(kw, n, B):
     s, ref = build(wo_scale=0.5, **kw)
     ctx, idx = data(B=B, n=n)
@@ -252,7 +252,7 @@ def test_edge_cases(kw, n, B):
     logits, _ = s(ctx, idx)
     assert logits.shape == (B, 20, V) and torch.isfinite(logits).all()
     layers = [i for i, blk in enumerate(s.upper.layers) if blk.cross_attention is not None]
-    assert layers == {"bottom": list(range(s.scfg.n_lower)), "top": [1, 2], "interleaved": [2]}[s.scfg.inject]
+    assert layers == list(range(s.scfg.n_lower))   # the bottom M layers cross-attend (the paper)
 
 
 def test_noise_only_in_training():
