@@ -854,14 +854,19 @@ def mean_embedding_policy(llama, rows, idx, query_len):
         prefix = F.pad(emb[rows].float().cumsum(1), (0, 0, 1, 0))                # (B*n, C+1, dim)
 
     def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
-        b = to_device([[*lf, *rt] for lf, rt in zip(lefts, rights)], rows.device)   # (R, 4)
-        r = torch.arange(R, device=rows.device)
         # span sums: the cosine ignores the division by the length
-        left = prefix[r, b[:, 1]] - prefix[r, b[:, 0]]
-        right = prefix[r, b[:, 3]] - prefix[r, b[:, 2]]
+        left, right = child_sums(prefix, lefts, rights)
         right_closer = F.cosine_similarity(q, right, dim=-1) > F.cosine_similarity(q, left, dim=-1)
         return [go or nq for go, nq in zip(right_closer.tolist(), no_query)]
     return decide
+
+
+def child_sums(prefix, lefts, rights):
+    # prefix: (R, C+1, ...) prefix sums over each row's tokens; lefts, rights: per row, its two
+    # children's (start, end) -> the sums over the left and the right child, (R, ...) each
+    b = to_device([[*lf, *rt] for lf, rt in zip(lefts, rights)], prefix.device)   # (R, 4)
+    r = torch.arange(len(prefix), device=prefix.device)
+    return prefix[r, b[:, 1]] - prefix[r, b[:, 0]], prefix[r, b[:, 3]] - prefix[r, b[:, 2]]
 
 
 def cross_query(llama, idx, last):
@@ -906,10 +911,7 @@ def attention_policy(llama, rows, idx, query_len, k0):
         prefix = F.pad(w.cumsum(1), (0, 0, 1, 0))                          # (R, C+1, Hq)
 
     def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
-        b = to_device([[*lf, *rt] for lf, rt in zip(lefts, rights)], rows.device)   # (R, 4)
-        r = torch.arange(R, device=rows.device)
-        left = prefix[r, b[:, 1]] - prefix[r, b[:, 0]]                     # (R, Hq) mass per head
-        right = prefix[r, b[:, 3]] - prefix[r, b[:, 2]]
+        left, right = child_sums(prefix, lefts, rights)                    # (R, Hq) mass per head
         # (R,) right's mean share; both children at 0 (underflow) is a tie
         share = (right / (left + right)).nan_to_num(0.5).mean(-1)
         return [go or nq for go, nq in zip((share > 0.5).tolist(), no_query)]
