@@ -45,15 +45,15 @@ n_chunks = 4                # n: context chunks per training sample (X_C = n x C
 block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)
 # model: preset for scratch, SharedLLM settings always (model.SharedConfig says which are the paper's)
 preset = "tiny"             # model.PRESETS key, for init_from=scratch
-n_lower = 2                 # M: lower-model layers = cross-attention layers
+n_lower = 3                 # M: lower-model layers = cross-attention layers
 chunk_size = 128            # C
 height = 3                  # tree height h
 beta = 8                    # compression: C / KVs kept per chunk
-policy = "query"            # "right" | "query" (the paper's: the passkey question's vector steers each tree) |
+policy = "attention"        # "right" | "query" (the paper's: the passkey question's vector steers each tree) |
                             # "attention" (beyond the paper: the child the question's cross-attention query reads
                             # most; docs/experiments.md measures it) | "query_mean" (SmolLM2's retrieval recipe)
-search_loss = False         # policy "attention": in passkey batches, also train the question's attention over X_C
-                            # to land on the answer's tokens (model.search_loss; its loss is in the passkey loss)
+search_loss = True          # policy "attention" only: in passkey batches, also train the question's attention over
+                            # X_C to land on the answer's tokens (model.search_loss; its loss is in the passkey loss)
 noise = 0.0                 # training split noise gamma: sigma = l / gamma, so larger = less noise; 0 = off (paper: 5, 10)
 chunk_ids = "random"        # chunk-level position ids: "plain" (paper) | "clamp" (plain up to max_chunk_dist, farther
                             # chunks at that distance: extrapolates) | "random" (random ids in training) | "off"
@@ -226,7 +226,8 @@ def check_settings(dev, dev_type, dt):
         raise SystemExit(f"--dtype=float16 on {dev}: float16 autocast is for CUDA GPUs without bfloat16 (it trains with a "
                          "gradient scaler there); use --dtype=float32 or --dtype=bfloat16")
     if search_loss and policy != "attention":
-        raise SystemExit(f"--search_loss=True trains the search of --policy=attention; this run has --policy={policy}")
+        raise SystemExit(f"--search_loss=True (the default) trains the search of --policy=attention; with "
+                         f"--policy={policy} add --search_loss=False")
     if not 0 <= ema_decay < 1:
         raise SystemExit(f"--ema_decay={ema_decay}: expected 0 (off) or a decay in (0, 1), like 0.998")
     if train == "cross" and context_dropout > 0 and task != "passkey":

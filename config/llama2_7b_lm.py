@@ -7,6 +7,7 @@ init_from = "Llama-2-7b-hf"  # an HF-layout LLaMA-2 folder: give yours with --in
 task = "lm"
 data_dir = ""                # a folder of long .txt documents (the paper: RedPajama, 8K-token sequences); "" = stdlib .py
 policy = "right"             # language modeling has no query: always expand the most recent half
+search_loss = False          # the default's search loss trains policy "attention" only
 n_lower = 4                  # M = 4
 chunk_size = 1024            # C
 n_chunks = 4                 # X_C = 4 x 1024 tokens ...

@@ -13,6 +13,7 @@ lm_from = 0
 context_dropout = 0.0        # the frozen upper model already works without X_C
 data_dir = ""                # a folder of long .txt documents; "" = the standard library's .py files
 policy = "query"             # the question steers each context tree (paper Eq. "sim")
+search_loss = False          # the default's search loss trains policy "attention" only
 n_lower = 16                 # M = 16
 chunk_size = 512             # C
 n_chunks = 8                 # X_C = 8 x 512 = 4K tokens ...

@@ -12,6 +12,7 @@ task = "lm"
 train = "cross"              # 8.0M trainable parameters; the 134.5M of SmolLM2 stay frozen
 context_dropout = 0.0        # the frozen model already reads X_D alone
 policy = "right"
+search_loss = False          # the default's search loss trains policy "attention" only
 n_lower = 12                 # M: 12 of its 30 layers compress, and 12 cross-attend (M = 4 read 0.83, M = 8 0.79-0.81)
 chunk_size = 256             # C
 n_chunks = 4                 # X_C = 4 x 256 tokens in training ...

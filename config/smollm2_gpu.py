@@ -13,6 +13,7 @@ task = "lm"
 train = "cross"
 context_dropout = 0.0
 policy = "right"
+search_loss = False          # the default's search loss trains policy "attention" only
 n_lower = 12
 chunk_size = 512
 n_chunks = 8

@@ -16,6 +16,7 @@ pad_passkeys = False         # a passkey batch is as long as its question and ke
 train = "cross"              # only the cross-attention trains: the base model stays as it was
 context_dropout = 0.0
 policy = "query_mean"        # the question steers every context tree toward the key, by mean token embeddings
+search_loss = False          # the default's search loss trains policy "attention" only
 n_lower = 12                 # M
 chunk_size = 512             # C
 n_chunks = 4                 # 2K context tokens in training

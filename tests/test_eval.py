@@ -25,7 +25,7 @@ SCRIPTS = {name: [os.sys.executable, os.path.join(ROOT, name)] for name in ("sam
 def micro_ckpt(tmp_path_factory):
     # a micro checkpoint from train.py, then its weights scaled up so greedy outputs vary and depend on the context
     d = tmp_path_factory.mktemp("micro")
-    run(MICRO + ["--max_iters=2", "--eval_interval=2", f"--out_dir={d}", "--policy=query"], d)
+    run(MICRO + ["--max_iters=2", "--eval_interval=2", f"--out_dir={d}", "--policy=query", "--search_loss=False"], d)
     ck = torch.load(d / "ckpt.pt", weights_only=True)
     g = torch.Generator().manual_seed(0)
     for k, v in ck["model"].items():

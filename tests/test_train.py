@@ -74,6 +74,8 @@ def test_config_errors(tmp_path, capsys):
                       (["--noise=-1"], "--noise=-1.0: expected a value in [0, inf]"),
                       (["--n_chunks=0"], "--n_chunks=0: expected a value in [1, inf]"),
                       (["--task=qa"], "--task=qa: expected lm, passkey or mixed"),
+                      (["--policy=right"], "--search_loss=True (the default) trains the search of "
+                                           "--policy=attention; with --policy=right add --search_loss=False"),
                       (["--preset=huge"], "--preset=huge: expected one of"),
                       (["--tokenizer=nonexistent.model"], "--tokenizer=nonexistent.model: nonexistent.model: no tokenizer"),
                       (["--init_from=/nonexistent"], "--init_from=/nonexistent: no such file or folder"),

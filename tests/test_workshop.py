@@ -31,9 +31,9 @@ def micro_run(tmp_path_factory):
     docs.mkdir()
     for i in range(10):
         (docs / f"{i}.txt").write_text("".join(f"line {j} of file {i}: x{j % 7} = y{j % 5}\n" for j in range(150)))
-    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=query",
+    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=query", "--search_loss=False",
                               f"--data_dir={docs}", f"--out_dir={d / 'out'}", "--stop_iter=2"], d)
-    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=query",
+    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=query", "--search_loss=False",
                               f"--data_dir={docs}", f"--out_dir={d / 'out'}", "--init_from=resume"], d)
     ck = torch.load(d / "out" / "ckpt.pt", weights_only=True)
     g = torch.Generator().manual_seed(0)
