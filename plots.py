@@ -39,9 +39,9 @@ def save(plt, fig, path):
     return path
 
 
-def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, inject, kvs_per_chunk, key=None):
+def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, inject, kvs_per_chunk, keys=()):
     # nodes: the preserved tree.Nodes of chunk `chunk` (of n_chunks); inject: the upper layers with cross-attention;
-    # key: (start, end) of the passkey's tokens inside that chunk, if any
+    # keys: (start, end) of each mention of the passkey inside that chunk (the needle names it twice)
     plt = pyplot()
     if plt is None:
         return None
@@ -77,8 +77,8 @@ def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, injec
     for level in range(height + 1):   # left of the rows, so that no name sits beside the K/V box on the right
         ax.text(x0 - 0.12, 5.05 - 0.75 * level, f"level {level}" if level else "root", fontsize=8, ha="right",
                 va="center")
-    if key is not None:
-        a, b = x0 + w * key[0] / C, x0 + w * key[1] / C
+    for start, end in keys:
+        a, b = x0 + w * start / C, x0 + w * end / C
         ax.add_patch(Rectangle((a, 4.9 - 0.75 * height - 0.15), max(b - a, 0.03), 0.75 * height + 0.45, fc="red", alpha=0.25))
         ax.text(a, 4.9 - 0.75 * height - 0.4, "the key", color="red", fontsize=9)
     # the lower model under the tree, the compressed KV bank, the upper model with its cross-attention layers

@@ -246,21 +246,21 @@ def pictures(g, model, memory, idx, n, kid, at_key):
         kvs = memory.kv[0][0].shape[2]
         inject = [i for i, blk in enumerate(model.upper.layers) if blk.cross_attention is not None]
         plots.architecture(g["plot"], memory.nodes[c], c, n, C, s.keep, s.n_lower, model.upper.cfg.n_layers, inject,
-                           kvs // n, None if key_chunk is None else (at_key[0] % C, at_key[0] % C + len(kid)))
+                           kvs // n, [(p - c * C, min(p - c * C + len(kid), C)) for p in at_key if p // C == c])
     if g["attention"]:
         cross_attention_picture(model, memory, idx, g["attention"], key_chunk, [(p, p + len(kid)) for p in at_key])
 
 
 def show_trees(memory, n, C, keep, kid, at_key):
     # per chunk: the path the query took and what each preserved node kept (long contexts: the ends and the key's)
-    shown = set(range(n)) if n <= 8 else {0, 1, n - 2, n - 1} | {p // C for p in at_key[:1]}   # long: a few
+    shown = set(range(n)) if n <= 8 else {0, 1, n - 2, n - 1} | {p // C for p in at_key}   # long: a few
     for c, nodes in enumerate(memory.nodes):
         if c not in shown:
             if c - 1 in shown:
                 print(f"... chunks {c} to {min(x for x in shown if x > c) - 1} not shown")
             continue
-        at = "".join(f"   <- the key's first mention: tokens [{p - c * C}, {p - c * C + len(kid)}) of this chunk"
-                     for p in at_key[:1] if c * C <= p < (c + 1) * C)
+        here = [f"[{p - c * C}, {p - c * C + len(kid)})" for p in at_key if c * C <= p < (c + 1) * C]
+        at = f"   <- the key at tokens {' and '.join(here)} of this chunk" if here else ""
         print(f"chunk {c} [{c * C}, {(c + 1) * C}): path {tree_path(nodes, C)}{at}")
         print(tree.describe(nodes, C, keep))
 

@@ -73,6 +73,20 @@ def test_every_picture_from_a_tiny_model(micro_run, tmp_path, capsys):
     assert re.search(r"  mentions? [\d and]+ of the key: chunk \d+'s node \[\d+, \d+\) = KVs? \d+(-\d+)?: per head ", out)
 
 
+def test_the_trees_and_the_picture_mark_every_mention_of_the_key(micro_run, monkeypatch, capsys):
+    # the needle names the key twice, and the search may keep either mention in a leaf: --show_tree marks both (here
+    # in two chunks of 32 bytes), --plot draws those of the chunk it draws (the first mention's)
+    seen = []
+    monkeypatch.setattr(plots, "architecture", lambda *args: seen.append(args[-1]))
+    S.main(parse_overrides([f"--init_from={micro_run / 'out'}", "--show_tree=True", "--key=12345", "--depth=0.5",
+                            "--plot=unused.png"], config_of(vars(S)), S.__file__))
+    lines = [l for l in capsys.readouterr().out.splitlines() if "<- the key at tokens" in l]
+    marked = {int(l.split()[1]): [(int(a), int(b)) for a, b in re.findall(r"\[(\d+), (\d+)\)", l.split("<-")[1])]
+              for l in lines}
+    assert sum(map(len, marked.values())) == 2 and all(b - a == 5 for v in marked.values() for a, b in v)
+    assert seen == [[(a, min(b, 32)) for a, b in marked[min(marked)]]]
+
+
 def test_text_forms_without_matplotlib(micro_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)             # import matplotlib now fails
     S.main(parse_overrides([f"--init_from={micro_run / 'out'}", f"--attention={tmp_path / 'a.png'}",
