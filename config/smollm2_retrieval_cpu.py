@@ -14,8 +14,8 @@ pad_passkeys = False         # a passkey batch is as long as its question and ke
 train = "cross"              # only the cross-attention trains: the base model stays as it was
 context_dropout = 0.0        # the frozen model already reads X_D alone
 policy = "query_mean"        # the question steers every context tree toward the key, by mean token embeddings
-search_loss = False          # the default's search loss trains policy "attention" only
                              # (beyond the paper: its first-layer vector sent the key to the coarse node 2 times in 3)
+search_loss = False          # the default's search loss trains policy "attention" only
 n_lower = 12                 # M
 chunk_size = 256             # C
 n_chunks = 4
