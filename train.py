@@ -51,7 +51,8 @@ height = 3                  # tree height h
 beta = 8                    # compression: C / KVs kept per chunk
 policy = "attention"        # "right" | "query" (the paper's: the passkey question's vector steers each tree) |
                             # "attention" (beyond the paper: the child the question's cross-attention query reads
-                            # most; docs/experiments.md measures it) | "query_mean" (SmolLM2's retrieval recipe)
+                            # most; docs/experiments.md measures it) | "query_mean" (SmolLM2's retrieval recipe) |
+                            # "continuation" (lexical: toward what follows the question's last words in X_C)
 search_loss = True          # policy "attention" only: in passkey batches, also train the question's attention over
                             # X_C to land on the answer's tokens (model.search_loss; its loss is in the passkey loss)
 noise = 0.0                 # training split noise gamma: sigma = l / gamma, so larger = less noise; 0 = off (paper: 5, 10)
@@ -100,7 +101,8 @@ light_ckpt = True           # from a pretrained folder: checkpoints hold only wh
 gradient_accumulation_steps = 1
 stop_iter = 0               # stop (checkpointed) at this iteration without changing the schedule; 0 = run to max_iters
 ema_decay = 0.998           # evaluate and save an exponential moving average of the trained weights (half-life ~350
-                            # iterations at 0.998); 0 = off. The raw weights ride along for resume.
+                            # iterations at 0.998); 0 = off. The raw weights ride along for resume. In "mixed" it
+                            # starts again at lm_from: passkey-only weights in it cost the text (docs/experiments.md)
 weight_decay = 0.0
 beta1, beta2 = 0.9, 0.99
 grad_clip = 1.0
@@ -185,6 +187,8 @@ def main():
             scaler.scale(loss / gradient_accumulation_steps).backward()
         optimizer_step(optimizer, scaler, params, ema)
         iter_num += 1
+        if ema is not None and task == "mixed" and iter_num == lm_from:
+            restart_average(ema, params)   # text joins: an average of passkey-only weights reads it worse
         if iter_num % log_interval == 0 and master:
             checked_at = check_finite(nonfinite, checked_at, iter_num)
             losses = {k: (loss_sum[k] / loss_n[k]).item() for k in loss_sum}   # mean per batch kind since the last line
@@ -529,6 +533,12 @@ def moving_average(raw, params, ckpt):
             for p, ns in zip(params, names):
                 p.copy_(ckpt["raw"][ns[0]])
     return ema, names
+
+
+def restart_average(ema, params):   # the average forgets what came before: it is the weights as they are now
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            e.copy_(p)
 
 
 @contextmanager

@@ -228,6 +228,19 @@ def test_checkpoint_holds_the_moving_average(tmp_path):
         train_in_process(MICRO + ["--ema_decay=1", f"--out_dir={tmp_path / 'bad'}"], tmp_path)
 
 
+def test_the_average_restarts_when_text_joins(tmp_path):
+    # in "mixed", at lm_from the average forgets the passkey-only weights. Text joins after step 1 (lm_from=1), so
+    # after step 2 "model" = d * w1 + (1 - d) * w2 (w1: the same run stopped after step 1), not d^2 w0 + ...
+    common = MICRO + ["--task=mixed", "--lm_from=1", "--max_iters=2", "--ema_decay=0.9"]
+    train_in_process(common + ["--stop_iter=1", f"--out_dir={tmp_path / 'w1'}"], tmp_path)
+    train_in_process(common + [f"--out_dir={tmp_path / 'w2'}"], tmp_path)
+    w1 = torch.load(tmp_path / "w1" / "ckpt.pt", weights_only=True)["raw"]
+    ck = torch.load(tmp_path / "w2" / "ckpt.pt", weights_only=True)
+    for k, w2 in ck["raw"].items():   # 2 float32 steps at 1.0 (1.2e-7 each): lerp_ rounds unlike this formula
+        assert torch.allclose(ck["model"][k], 0.9 * w1[k] + 0.1 * w2, rtol=0, atol=2.4e-7), k
+    assert sum(not torch.equal(w1[k], ck["raw"][k]) for k in w1) > 10     # step 2 did change the weights
+
+
 def test_llama2_path_on_tiny_random_checkpoint(tmp_path):
     spm = os.path.join(SHARED_TOKENIZERS, "llama-format", "tokenizer.model")
     if not os.path.isfile(spm):
