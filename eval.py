@@ -51,7 +51,8 @@ batch_size = 8
 # ablations: inference-time SharedLLM settings (0 / "" = as trained); noise and M need their own training run
 height = 0                  # tree height h
 beta = 0                    # compression C / KVs kept per chunk
-policy = ""                 # "right" (retrieval off) | "query" | "attention" | "query_mean" (model.py: beyond the paper)
+policy = ""                 # "right" (retrieval off) | "query" | "attention" | "query_mean" | "continuation" (model.py:
+                            # beyond the paper)
 chunk_ids = ""              # "plain" | "clamp" | "off" ("random" is read like plain: at inference they are the same)
 max_chunk_dist = 0          # "clamp": the largest chunk distance; 0 = the checkpoint's own (else its n_chunks)
 keep = ""                   # "last" | "first" token of each stride window

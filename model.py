@@ -399,7 +399,7 @@ class SharedConfig:
     # which child the search expands: "query" (the paper: cosine with the question; a row with no
     # question, as in language modeling, goes right) or "right" (always the most recent half: the
     # paper's LM). Beyond the paper: "attention" (the default: it finds the key once trained, the
-    # paper's vector does not) and "query_mean" (Options beyond the paper).
+    # paper's vector does not), "query_mean" and "continuation" (Options beyond the paper).
     policy: str = "attention"
     # the split noise in training (Eq. 1): sigma = l / noise (l: the node's length; the paper's
     # Table 5: l/5 LM, l/10 SFT), so LARGER means LESS noise; 0 = exact halves (its "w/o noise")
@@ -425,7 +425,8 @@ class SharedConfig:
     def __post_init__(self):
         if isinstance(self.chunk_ids, bool):   # older checkpoints and code said True / False
             self.chunk_ids = "plain" if self.chunk_ids else "off"
-        for name, allowed in [("policy", ("right", "query", "query_mean", "attention")),
+        for name, allowed in [("policy", ("right", "query", "query_mean", "attention",
+                                                "continuation")),
                               ("chunk_ids", ("plain", "clamp", "random", "off")),
                               ("lower", ("shared", "copy")), ("keep", ("last", "first"))]:
             if getattr(self, name) not in allowed:
@@ -553,6 +554,8 @@ class SharedLLM(nn.Module):
         low = self.lower_model()
         if policy == "query_mean":                                            # (beyond the paper)
             return mean_embedding_policy(low, rows, idx, query_len), None
+        if policy == "continuation":                                          # (beyond the paper)
+            return continuation_policy(rows, idx, query_len), None
         first_kv = first_layer_kv(low, rows.reshape(-1))                 # (B*n*C, Hkv, hd) each
         if policy == "attention":                                             # (beyond the paper)
             return attention_policy(self.upper, rows, idx, query_len, first_kv[0]), first_kv
@@ -832,7 +835,8 @@ def frozen_copy(llama, m):
 # forward's key_at): the paper's vector left the key in a coarse node, this search finds it, and
 # with M = 3 every seed measured reads it (docs/experiments.md). The others are off unless named:
 # chunk_ids="clamp" and logn_scale (reading past the trained length: the LLaMA-2 and SmolLM2
-# recipes, the workshop), policy="query_mean" (SmolLM2's retrieval recipe). keep="first" (the
+# recipes, the workshop), policy="query_mean" (SmolLM2's retrieval recipe), policy="continuation"
+# (no weights: the search that finds the key on an untrained SmolLM2). keep="first" (the
 # authors' released code; a workshop exercise) is one line of tree.keep_index.
 
 
@@ -917,6 +921,39 @@ def attention_policy(llama, rows, idx, query_len, k0):
         # (R,) right's mean share; both children at 0 (underflow) is a tie
         share = (right / (left + right)).nan_to_num(0.5).mean(-1)
         return [go or nq for go, nq in zip((share > 0.5).tolist(), no_query)]
+    return decide
+
+
+MATCH_MAX = 8   # continuation_policy: longer matches score 8 ("The pass key is ": 5 SmolLM2 tokens)
+
+
+def continuation_policy(rows, idx, query_len):
+    # policy="continuation": lexical, no weights. Where the question's last words stand in the
+    # context, what follows them is what it asks for ("... The pass key is" -> the key), as an
+    # induction head reads it. Every context position scores the number of the question's last
+    # tokens (up to MATCH_MAX) that stand right before it; each tree expands the child holding the
+    # higher score (a tie, as in text with no match, goes right). A long match is rare by itself,
+    # so no word weights are needed. Measured beside "attention" in docs/experiments.md.
+    # rows: (R, C), R = B*n; idx: (B, T); query_len: (B,) on the host -> decide
+    (R, C), B = rows.shape, idx.shape[0]
+    n, ql = R // B, query_len.to(idx.device)
+    seq = rows.reshape(B, n * C)                               # each sample's X_C in order
+    match = torch.zeros_like(seq)                              # (B, n*C) matched tokens before p
+    still = torch.ones_like(seq, dtype=torch.bool)
+    for j in range(1, MATCH_MAX + 1):                          # the question's j-th last token
+        q_j = idx[torch.arange(B, device=idx.device), (ql - j).clamp(min=0)]          # (B,)
+        before = F.pad(seq, (j, 0), value=-1)[:, :n * C]       # the token j places before p
+        still &= (before == q_j[:, None]) & (ql[:, None] >= j)
+        match += still
+    match = match.view(R, C)
+    no_query = (query_len == 0).repeat_interleave(n).tolist()
+    pos = torch.arange(C, device=rows.device)
+
+    def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
+        b = to_device([[*lf, *rt] for lf, rt in zip(lefts, rights)], rows.device)   # (R, 4)
+        inside = lambda s, e: (pos >= b[:, s, None]) & (pos < b[:, e, None])          # (R, C)
+        best = lambda s, e: match.masked_fill(~inside(s, e), -1).amax(1)              # (R,)
+        return [go or nq for go, nq in zip((best(2, 3) >= best(0, 1)).tolist(), no_query)]
     return decide
 
 

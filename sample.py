@@ -47,7 +47,7 @@ n_lower = 0                 # M (LLaMA-2 folder only: a checkpoint's M is fixed 
 chunk_size = 0              # C (LLaMA-2 folder only: a checkpoint's C is fixed by its training)
 height = 0                  # tree height h
 beta = 0                    # compression C / KVs per chunk
-policy = ""                 # "right" | "query" | "attention" | "query_mean" (beyond the paper)
+policy = ""                 # "right" | "query" | "attention" | "query_mean" | "continuation" (beyond the paper)
 device = "auto"             # "auto" = cuda, else cpu ("mps" only when named)
 dtype = "auto"              # "auto" = bfloat16 on CUDA where supported, else float32
 seed = 1337

@@ -414,3 +414,40 @@ def test_query_mean_policy_is_the_cosine_of_mean_embeddings_per_tree():
         s.scfg.policy = "right"
         right = s.compress(ctx, idx).nodes
         assert none == right and mixed[:3] == right[:3] and mixed[3:] == nodes[3:]
+
+
+def test_continuation_policy_expands_toward_what_follows_the_questions_last_words():
+    # policy="continuation" (beyond the paper): every context position scores how many of the question's last tokens
+    # (up to MATCH_MAX) stand right before it, across chunk borders; each tree expands the child with the higher best
+    # score, a tie goes right; a row with no question goes right. Checked against that definition in plain Python,
+    # one tree at a time; and planted question endings are followed: inside a chunk and across a chunk border.
+    s, _ = build(policy="continuation", height=3, noise=0.0)
+    ctx, idx = data(B=2, n=3)
+    ql = torch.tensor([12, 16])
+    ctx[1, 2, 40:46] = idx[1, 10:16]                        # sample 1, chunk 2: the question's last 6 tokens, then 46
+    ctx[0, 0, 60:64] = idx[0, 8:12]                         # sample 0: its last 4 at the end of chunk 0, then chunk 1's 0
+    ctx[0, 2] = ctx[0, 1]                                   # ... a chunk with no long match: only ties and short ones
+
+    def score(b, p):                                        # the plain definition, on the flattened X_C
+        flat, q = ctx[b].flatten().tolist(), idx[b, :ql[b]].tolist()
+        j = 0
+        while j < min(M.MATCH_MAX, len(q), p) and flat[p - 1 - j] == q[-1 - j]:
+            j += 1
+        return j
+
+    with torch.no_grad():
+        nodes = s.compress(ctx, idx, ql).nodes
+    for r, nds in enumerate(nodes):                         # walk each tree down by hand, from the root
+        b, c, (lo, hi) = r // 3, r % 3, (0, 64)
+        for level in (1, 2):
+            mid = lo + (hi - lo) // 2
+            best = lambda a, e: max(score(b, c * 64 + p) for p in range(a, e))
+            right = best(mid, hi) >= best(lo, mid)
+            assert [(nd.start, nd.end) for nd in nds if nd.level == level] == [(lo, mid) if right else (mid, hi)]
+            lo, hi = (mid, hi) if right else (lo, mid)
+    kept = lambda r: [(nd.start, nd.end) for nd in nodes[r] if nd.level < 3]
+    assert kept(5) == [(0, 32), (48, 64)]                   # toward position 46: right at level 1, then left
+    assert kept(1) == [(16, 32), (32, 64)]                  # toward chunk 1's first token: left, left
+    none = s.compress(ctx, idx, torch.tensor([0, 0])).nodes
+    s.scfg.policy = "right"
+    assert none == s.compress(ctx, idx).nodes
