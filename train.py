@@ -76,8 +76,8 @@ seed = 1337
 # --- the recipe's knobs: a first reading can skip them (config/tiny.py writes the default run out) ---
 eval_iters = 8              # batches per eval setting
 final_eval_iters = 32       # ... and at the end: 512 passkey samples, so a rate near 95% is known to about +-1%
-                            # (128 samples: +-2%); the first eval_iters batches are those of every eval. 0 = eval_iters
-                            # (language modeling reads eval_iters batches at every eval, the last one too)
+                            # (128 samples: +-2%), and 512 text windows; the first eval_iters batches are those of
+                            # every eval. 0 = eval_iters
 eval_chunks = "4,16"        # chunk counts evaluated every eval_interval
 final_eval_chunks = "4,16,64,256"   # ... and at the end (32K-token contexts: 64x the training length); "" = eval_chunks
 pad_passkeys = True         # pad passkey batches to block_size after the answer (not scored); False: as long as their
@@ -579,11 +579,11 @@ def evaluate(raw, tok, splits, counts, lm_eval_counts, iters, iter_num, dev, aut
     if lm_counts and (task == "lm" or (task == "mixed" and iter_num > lm_from)):
         # windows drawn once for the largest chunk count; a shorter context is the most recent n chunks of the same
         # window, so every length scores the very same X_D tokens and the ratios compare context alone
-        # (eval_iters batches, also at the end: the ratio is paired, the same tokens with and without the context, so
-        # 128 windows read it as 512 do, to 0.0006 on a 6,500-iteration checkpoint; docs/experiments.md)
+        # (as many batches as haystacks: the ratio is paired, the same tokens with and without the context, yet on 128
+        # windows it moved by up to 0.014 with the windows drawn, as much as the effect; docs/experiments.md)
         lrng = random.Random(1000)
         lm_batches = [[t.to(dev) for t in data.get_batch("lm", batch_size, lrng, tok, splits, max(lm_counts), chunk_size,
-                                                          block_size, "val")] for _ in range(eval_iters)]
+                                                          block_size, "val")] for _ in range(iters)]
     for n in counts:
         erng = random.Random(1000 + n)
         if task in ("passkey", "mixed"):

@@ -452,9 +452,9 @@ def test_gpu_recipes_memory_estimate_counts_what_is_allocated(recipe, shape, tra
     assert est["total"] < 80, out
 
 
-def test_final_eval_reads_more_haystacks_but_the_same_text_windows(tmp_path):
-    # the last evaluation draws final_eval_iters passkey batches per length and, like every other evaluation, eval_iters
-    # language-modeling batches: the ratio is paired, so more windows would only cost time (docs/experiments.md)
+def test_final_eval_reads_more_haystacks_and_more_text_windows(tmp_path):
+    # the last evaluation draws final_eval_iters passkey batches per length and final_eval_iters language-modeling
+    # batches: on 128 windows the ratio moved by up to 0.014 with the windows drawn (docs/experiments.md)
     import train
     kinds = []
     def counting(kind, *a, **kw):
@@ -466,7 +466,7 @@ def test_final_eval_reads_more_haystacks_but_the_same_text_windows(tmp_path):
         mp.setattr(data, "get_batch", counting)
         train_in_process(MICRO + ["--task=mixed", "--lm_from=0", "--max_iters=2", "--eval_interval=100",
                                   "--eval_iters=2", "--final_eval_iters=5", f"--out_dir={tmp_path}"], tmp_path)
-    assert kinds.count("passkey") == 5 and kinds.count("lm") == 2
+    assert kinds.count("passkey") == 5 and kinds.count("lm") == 5
 
 
 def test_the_smollm2_retrieval_recipe_trains_only_the_cross_attention(tmp_path, capsys, monkeypatch):
