@@ -1,5 +1,5 @@
 # The default run, written out: `python train.py config/tiny.py` is exactly `python train.py` (a test keeps the two
-# equal). A tiny SharedLLM (234K parameters, byte tokens) from scratch on a CPU in about 12 minutes: passkey
+# equal). A tiny SharedLLM (234K parameters, byte tokens) from scratch on a CPU in about 8 minutes: passkey
 # retrieval first, then one batch in three is language modeling on the Python standard library's source.
 preset = "tiny"              # dim 64, 4 layers, GQA 4/2 heads
 tokenizer = "byte"
@@ -16,8 +16,8 @@ height = 3
 beta = 8
 beta_schedule = "1:300,2:450,4:600"   # no compression for 300 iterations (retrieval is found early), then 2, 4, 8
 policy = "attention"         # the question's cross-attention query steers each tree: the key in a
-                             # leaf 95.5% of the time (the paper's vector, on the M = 2 model trained
-                             # with it: 1.2%); text batches have no query and go right
+                             # leaf 88.1% of the time, never in the coarse node alone (the paper's
+                             # vector, on the M = 2 model trained with it: 1.2%); text batches go right
 search_loss = True           # and trains that query to land on the answer's tokens
 noise = 0.0
 chunk_ids = "random"         # training: sorted random chunk ids up to 1024 (keys at every distance); plain at inference
@@ -27,7 +27,7 @@ batch_size = 16
 learning_rate = 3e-3
 min_lr = 3e-4
 max_iters = 2600
-ema_decay = 0.998            # evaluate and save the moving average of the weights (see README)
+ema_decay = 0.998            # evaluate and save the moving average of the weights, restarted at lm_from
 eval_chunks = "4,16"
 final_eval_chunks = "4,16,64,256"   # at the end: up to 32K context tokens, 64x the training length
 final_eval_iters = 32        # at the end: 512 samples per length
