@@ -924,36 +924,38 @@ def attention_policy(llama, rows, idx, query_len, k0):
     return decide
 
 
-MATCH_MAX = 8   # continuation_policy: longer matches score 8 ("The pass key is ": 5 SmolLM2 tokens)
+MATCH_MAX = 8   # continuation_policy caps a match at 8 tokens: longer ones are as rare (16 bytes of
+                # "The pass key is " already match 8; SmolLM2 tokenizes it as 5)
 
 
 def continuation_policy(rows, idx, query_len):
     # policy="continuation": lexical, no weights. Where the question's last words stand in the
     # context, what follows them is what it asks for ("... The pass key is" -> the key), as an
-    # induction head reads it. Every context position scores the number of the question's last
-    # tokens (up to MATCH_MAX) that stand right before it; each tree expands the child holding the
-    # higher score (a tie, as in text with no match, goes right). A long match is rare by itself,
-    # so no word weights are needed. Measured beside "attention" in docs/experiments.md.
+    # induction head reads it. Position p of X_C scores the length of the longest run of the
+    # question's last tokens that ends right before p (across chunk borders; capped at
+    # MATCH_MAX). Each tree expands the child holding the higher best score; a tie (as in text
+    # with no match, or with no question) goes right. A long match is rare by itself, so no word
+    # weights are needed.
     # rows: (R, C), R = B*n; idx: (B, T); query_len: (B,) on the host -> decide
     (R, C), B = rows.shape, idx.shape[0]
-    n, ql = R // B, query_len.to(idx.device)
+    n, q_len = R // B, query_len.to(idx.device)
     seq = rows.reshape(B, n * C)                               # each sample's X_C in order
-    match = torch.zeros_like(seq)                              # (B, n*C) matched tokens before p
-    still = torch.ones_like(seq, dtype=torch.bool)
+    match = torch.zeros_like(seq)                              # (B, n*C) the score of every p
+    still = torch.ones_like(seq, dtype=torch.bool)             # (B, n*C) the run is unbroken
     for j in range(1, MATCH_MAX + 1):                          # the question's j-th last token
-        q_j = idx[torch.arange(B, device=idx.device), (ql - j).clamp(min=0)]          # (B,)
-        before = F.pad(seq, (j, 0), value=-1)[:, :n * C]       # the token j places before p
-        still &= (before == q_j[:, None]) & (ql[:, None] >= j)
+        q_j = idx[torch.arange(B, device=idx.device), (q_len - j).clamp(min=0)]       # (B,)
+        before = F.pad(seq, (j, 0), value=-1)[:, :n * C]       # (B, n*C) the token j before p
+        still &= (before == q_j[:, None]) & (q_len[:, None] >= j)
         match += still
-    match = match.view(R, C)
-    no_query = (query_len == 0).repeat_interleave(n).tolist()
-    pos = torch.arange(C, device=rows.device)
+    match = match.view(R, C)                                   # no question: 0 everywhere
+    pos = torch.arange(C, device=rows.device)                  # (C,) positions in a chunk
 
     def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
-        b = to_device([[*lf, *rt] for lf, rt in zip(lefts, rights)], rows.device)   # (R, 4)
-        inside = lambda s, e: (pos >= b[:, s, None]) & (pos < b[:, e, None])          # (R, C)
-        best = lambda s, e: match.masked_fill(~inside(s, e), -1).amax(1)              # (R,)
-        return [go or nq for go, nq in zip((best(2, 3) >= best(0, 1)).tolist(), no_query)]
+        spans = to_device([[*lf, *rt] for lf, rt in zip(lefts, rights)], rows.device)  # (R, 4)
+        def best(start, end):           # (R,) the best score inside [start, end) of each row
+            inside = (pos >= start[:, None]) & (pos < end[:, None])                   # (R, C)
+            return match.masked_fill(~inside, -1).amax(1)
+        return (best(spans[:, 2], spans[:, 3]) >= best(spans[:, 0], spans[:, 1])).tolist()
     return decide
 
 

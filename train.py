@@ -76,8 +76,8 @@ seed = 1337
 # --- the recipe's knobs: a first reading can skip them (config/tiny.py writes the default run out) ---
 eval_iters = 8              # batches per eval setting
 final_eval_iters = 32       # ... and at the end: 512 passkey samples, so a rate near 95% is known to about +-1%
-                            # (128 samples: +-2%), and 512 text windows; the first eval_iters batches are those of
-                            # every eval. 0 = eval_iters
+                            # (128 samples: +-2%), and 512 text windows; its first eval_iters passkey batches are
+                            # those of every eval. 0 = eval_iters
 eval_chunks = "4,16"        # chunk counts evaluated every eval_interval
 final_eval_chunks = "4,16,64,256"   # ... and at the end (32K-token contexts: 64x the training length); "" = eval_chunks
 pad_passkeys = True         # pad passkey batches to block_size after the answer (not scored); False: as long as their
@@ -187,8 +187,10 @@ def main():
             scaler.scale(loss / gradient_accumulation_steps).backward()
         optimizer_step(optimizer, scaler, params, ema)
         iter_num += 1
+        # the next batch (iteration lm_from) is the first that can be text: the average starts again
+        # here, as passkey-only weights in it read text worse (docs/experiments.md); lm_from 0: never
         if ema is not None and task == "mixed" and iter_num == lm_from:
-            restart_average(ema, params)   # text joins: an average of passkey-only weights reads it worse
+            restart_average(ema, params)
         if iter_num % log_interval == 0 and master:
             checked_at = check_finite(nonfinite, checked_at, iter_num)
             losses = {k: (loss_sum[k] / loss_n[k]).item() for k in loss_sum}   # mean per batch kind since the last line

@@ -417,16 +417,18 @@ def test_query_mean_policy_is_the_cosine_of_mean_embeddings_per_tree():
 
 
 def test_continuation_policy_expands_toward_what_follows_the_questions_last_words():
-    # policy="continuation" (beyond the paper): every context position scores how many of the question's last tokens
-    # (up to MATCH_MAX) stand right before it, across chunk borders; each tree expands the child with the higher best
-    # score, a tie goes right; a row with no question goes right. Checked against that definition in plain Python,
-    # one tree at a time; and planted question endings are followed: inside a chunk and across a chunk border.
+    # policy="continuation" (beyond the paper): every context position scores the length of the longest run of the
+    # question's last tokens (at most MATCH_MAX, at most the question) that ends right before it, across chunk borders;
+    # each tree expands the child with the higher best score, a tie goes right; a row with no question goes right.
+    # Checked against that definition in plain Python, one tree at a time, and on planted runs.
     s, _ = build(policy="continuation", height=3, noise=0.0)
     ctx, idx = data(B=2, n=3)
-    ql = torch.tensor([12, 16])
-    ctx[1, 2, 40:46] = idx[1, 10:16]                        # sample 1, chunk 2: the question's last 6 tokens, then 46
-    ctx[0, 0, 60:64] = idx[0, 8:12]                         # sample 0: its last 4 at the end of chunk 0, then chunk 1's 0
-    ctx[0, 2] = ctx[0, 1]                                   # ... a chunk with no long match: only ties and short ones
+    ql = torch.tensor([3, 16])
+    ctx[1, 2, 4:16] = idx[1, 4:16]                          # sample 1, chunk 2: the last 12 tokens (scores 8, capped)
+    ctx[1, 2, 40:49] = idx[1, 7:16]                         # ... and the last 9 at 40..48 (scores 8 at 49): a tie
+    ctx[0, 0, 60], ctx[0, 0, 61:64] = idx[0, 0], idx[0, :3]   # sample 0 (a 3-token question): the whole of it, then
+    ctx[0, 1, 40:43] = idx[0, :3]                           # chunk 1's token 0; and at 40..42 (3 each: a tie)
+    ctx[0, 2] = ctx[0, 1].roll(7)                           # ... a chunk with only its own short matches
 
     def score(b, p):                                        # the plain definition, on the flattened X_C
         flat, q = ctx[b].flatten().tolist(), idx[b, :ql[b]].tolist()
@@ -446,8 +448,11 @@ def test_continuation_policy_expands_toward_what_follows_the_questions_last_word
             assert [(nd.start, nd.end) for nd in nds if nd.level == level] == [(lo, mid) if right else (mid, hi)]
             lo, hi = (mid, hi) if right else (lo, mid)
     kept = lambda r: [(nd.start, nd.end) for nd in nodes[r] if nd.level < 3]
-    assert kept(5) == [(0, 32), (48, 64)]                   # toward position 46: right at level 1, then left
-    assert kept(1) == [(16, 32), (32, 64)]                  # toward chunk 1's first token: left, left
-    none = s.compress(ctx, idx, torch.tensor([0, 0])).nodes
-    s.scfg.policy = "right"
-    assert none == s.compress(ctx, idx).nodes
+    assert kept(5) == [(0, 32), (32, 48)]                   # capped at 8 both: a tie, right; then toward 49
+    assert kept(1) == [(0, 32), (48, 64)]                   # 3 and 3 (the question is 3 tokens): right; toward 43
+    with torch.no_grad():
+        none = s.compress(ctx, idx, torch.tensor([0, 0])).nodes
+        mixed = s.compress(ctx, idx, torch.tensor([0, 16])).nodes   # one row without a question, one with
+        s.scfg.policy = "right"
+        right = s.compress(ctx, idx).nodes
+    assert none == right and mixed[:3] == right[:3] and mixed[3:] == nodes[3:]
