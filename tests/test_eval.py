@@ -15,7 +15,7 @@ import sample as S
 from conftest import ROOT
 from tokenizer import ByteTokenizer
 from checkpoint import load_sharedllm
-from test_train import MICRO, run
+from test_train import MICRO, run, train_in_process
 from configurator import config_of, parse_overrides
 
 SCRIPTS = {name: [os.sys.executable, os.path.join(ROOT, name)] for name in ("sample.py", "eval.py")}
@@ -25,7 +25,10 @@ SCRIPTS = {name: [os.sys.executable, os.path.join(ROOT, name)] for name in ("sam
 def micro_ckpt(tmp_path_factory):
     # a micro checkpoint from train.py, then its weights scaled up so greedy outputs vary and depend on the context
     d = tmp_path_factory.mktemp("micro")
-    run(MICRO + ["--max_iters=2", "--eval_interval=2", f"--out_dir={d}", "--policy=query", "--search_loss=False"], d)
+    with pytest.MonkeyPatch.context() as mp:   # in this process (a subprocess would cost a torch import)
+        mp.chdir(d)
+        train_in_process(MICRO + ["--max_iters=2", "--eval_interval=2", f"--out_dir={d}", "--policy=query",
+                                  "--search_loss=False"], d)
     ck = torch.load(d / "ckpt.pt", weights_only=True)
     g = torch.Generator().manual_seed(0)
     for k, v in ck["model"].items():
@@ -211,25 +214,30 @@ def test_sample_greedy_equals_full_forward_greedy(micro_ckpt, capsys):
     assert "tokens/s" in printed and "peak memory" in printed
 
 
-def test_sample_and_eval_subprocesses(micro_ckpt, tmp_path):
+def test_sample_and_eval_subprocesses(micro_ckpt, tmp_path, monkeypatch, capsys):
+    # each script once as the user runs it (a subprocess), the other eval.py tasks in this process (a subprocess
+    # each would cost a torch import)
     out = run([f"--init_from={micro_ckpt}", "--n_chunks=3", "--device=cpu"], tmp_path, cmd=SCRIPTS["sample.py"])
     assert "passkey haystack" in out and "expected " in out
     common = [f"--init_from={micro_ckpt}", f"--data_dir={micro_ckpt / 'docs'}", "--device=cpu", "--batch_size=4"]
-    run(common + ["--task=ppl", "--chunks=1,2", "--max_windows=6", f"--out={tmp_path / 'ppl.json'}"], tmp_path,
-        cmd=SCRIPTS["eval.py"])
-    res = json.load(open(tmp_path / "ppl.json"))
-    assert res["task"] == "ppl" and res["config"]["K"] == 24 and [r["n_chunks"] for r in res["results"]] == [1, 2]
-    for r in res["results"]:
-        assert r["scored_tokens"] == 6 * 24 and r["context_tokens"] == 32 * r["n_chunks"]
-        assert isinstance(r["with_context"], float) and isinstance(r["without_context"], float)
     out = run(common + ["--task=passkey", "--chunks=2,4", "--depths=0,1", "--samples=3", f"--out={tmp_path / 'pk.json'}"],
               tmp_path, cmd=SCRIPTS["eval.py"])
     assert "depth \\ context" in out and "window: " in out and "by construction" not in out   # its window holds keys
     res = json.load(open(tmp_path / "pk.json"))
     assert [(r["n_chunks"], r["depth"]) for r in res["results"]] == [(2, 0.0), (2, 1.0), (4, 0.0), (4, 1.0)]
     assert all(r["accuracy"] in (0, 1 / 3, 2 / 3, 1) for r in res["results"])
-    out = run(common + ["--task=ablations", "--chunks=2", "--depths=0.5", "--samples=2", "--max_windows=2",
-                        f"--compare=again={micro_ckpt}"], tmp_path, cmd=SCRIPTS["eval.py"])
+    monkeypatch.chdir(tmp_path)
+    run_eval = lambda args: E.main(parse_overrides(args, config_of(vars(E)), E.__file__))
+    run_eval(common + ["--task=ppl", "--chunks=1,2", "--max_windows=6", f"--out={tmp_path / 'ppl.json'}"])
+    res = json.load(open(tmp_path / "ppl.json"))
+    assert res["task"] == "ppl" and res["config"]["K"] == 24 and [r["n_chunks"] for r in res["results"]] == [1, 2]
+    for r in res["results"]:
+        assert r["scored_tokens"] == 6 * 24 and r["context_tokens"] == 32 * r["n_chunks"]
+        assert isinstance(r["with_context"], float) and isinstance(r["without_context"], float)
+    capsys.readouterr()
+    run_eval(common + ["--task=ablations", "--chunks=2", "--depths=0.5", "--samples=2", "--max_windows=2",
+                       f"--compare=again={micro_ckpt}"])
+    out = capsys.readouterr().out
     for row in ("height 2", "beta 16", "retrieval off", "chunk ids off", "log-n scaling on", "first of window", "again"):
         assert row in out
 
