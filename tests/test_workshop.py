@@ -225,3 +225,21 @@ def test_a_broken_or_empty_log_is_named(tmp_path, capsys):
         log.write_text(text)
         with pytest.raises(SystemExit, match="no training records in it"):
             plots.read_log(str(tmp_path))
+
+
+def test_the_recipe_is_the_one_workshop_md_describes():
+    # WORKSHOP.md's numbers were measured with config/workshop.py: its description of the run names the same search,
+    # iterations, chunk curriculum (and so the clamp distance), beta start and average as the recipe file
+    cfg = {}
+    exec(open(os.path.join(ROOT, "config", "workshop.py")).read(), {}, cfg)
+    text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
+    text = " ".join(text[text.index("## The short run"):text.index("```", text.index("## The short run"))].split())
+    steps = [tuple(map(int, p.split(":"))) for p in cfg["chunk_schedule"].split(",")]       # [(chunks, until), ...]
+    curriculum = ", ".join(f"{n} until {until:,}" for n, until in steps[1:])
+    assert f"M = {cfg['n_lower']};" in text and f"(`{cfg['policy']}`:" in text
+    assert f"{cfg['max_iters']:,} iterations, 1 chunk until iteration {steps[0][1]}, {curriculum}, then " \
+           f"{cfg['n_chunks']};" in text
+    beta, until = cfg["beta_schedule"].split(":")
+    assert f"beta {beta} until {until}, then {cfg['beta']};" in text
+    assert ("a short weight average" in text) == (0 < cfg["ema_decay"] < 0.998)
+    assert f"chunk ids clamped beyond {cfg['n_chunks']} chunks" in text and cfg["chunk_ids"] == "clamp"
