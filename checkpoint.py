@@ -4,10 +4,13 @@ SharedLLM they hold, full or light (`sharedllm_from_checkpoint`), and a SharedLL
 checkpoint or a LLaMA folder / .gguf file (`load_sharedllm`, what sample.py, eval.py and bench.py start from).
 A light checkpoint holds only what trained, plus the path and sha256 of the base checkpoint that holds the rest.
 `base_model` gives the unchanged base LLaMA of either, for baselines (full attention).
+train.py writes them (`save_checkpoint`, with every process's random streams: `rng_states`) and goes on from one
+exactly where it stopped (`restore_training`).
 """
 import hashlib
 import os
 import pickle
+import random
 import re
 import zipfile
 
@@ -131,3 +134,60 @@ def base_model(model, train_cfg, device="cpu", dtype=torch.float32):
         return load_llama(base["path"], "cpu", dtype).to(device).eval(), f"the base model {base['path']}"
     return model.upper, (f"this checkpoint's own upper model (train={trained!r} trained it; the checkpoint holds no "
                          "unchanged base)")
+
+
+# -----------------------------------------------------------------------------
+# writing one, and going on from one exactly (train.py)
+
+def save_checkpoint(path, raw, optimizer, scaler, ema, names, base, **meta):
+    # path (out_dir/ckpt.pt), written in full and then renamed: a crash never leaves half a checkpoint. ema: the moving
+    # average of what trains (or None) and names, every name of each of its tensors; base: a light checkpoint's
+    # (path, sha256) of the base model, or None; meta: model_args, iter_num, config, tokenizer, rngs (stored as given)
+    state, extra = raw.state_dict(), {}
+    if base:   # light: what trains, and the base checkpoint (path and content hash) that holds the rest
+        trained = {n for n, p in raw.named_parameters(remove_duplicate=False) if p.requires_grad}
+        state = {k: v for k, v in state.items() if k in trained}
+    if ema is not None:   # "model" is the average (what eval.py and sample.py read); "raw" is for resume
+        avg = {n: e for e, ns in zip(ema, names) for n in ns}
+        extra["raw"] = {n: state[n] for n in avg}
+        state = {**state, **avg}
+    if scaler.is_enabled():
+        extra["scaler"] = scaler.state_dict()
+    ck = dict(model=state, optimizer=optimizer.state_dict(), **meta, **(dict(base=base) if base else {}), **extra)
+    torch.save(ck, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def rng_states(rng, ddp, world, dev_type):
+    # this process's three random streams; under DDP every rank's (a collective: all ranks call it together)
+    mine = dict(data=rng.getstate(), tree=random.getstate(), torch=torch.get_rng_state(),
+                **(dict(cuda=torch.cuda.get_rng_state()) if dev_type == "cuda" else {}))
+    if not ddp:
+        return [mine]
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone
+
+
+def restore_training(ckpt, optimizer, scaler, rng, rank, dev_type, seed):
+    # the optimizer's and scaler's state, and this rank's three random streams, from the checkpoint -> its iteration
+    optimizer.load_state_dict(ckpt["optimizer"])
+    iter_num = ckpt["iter_num"]
+    if "scaler" in ckpt:
+        scaler.load_state_dict(ckpt["scaler"])
+    # every rank goes on with its own random streams (data, split noise, torch); older checkpoints hold rank 0's
+    states = ckpt.get("rngs") or [dict(data=ckpt["rng"][0], tree=ckpt["tree_rng"], torch=ckpt["torch_rng"])]
+    if rank < len(states):
+        rng.setstate(states[rank]["data"])
+        random.setstate(states[rank]["tree"])
+        torch.set_rng_state(states[rank]["torch"])
+        if "cuda" in states[rank] and dev_type == "cuda":
+            torch.cuda.set_rng_state(states[rank]["cuda"])
+    else:   # more processes than wrote the checkpoint: this one starts fresh streams of its own
+        print(f"rank {rank}: the checkpoint holds the random streams of {len(states)} process(es); this rank starts "
+              f"new ones (seed {seed} + rank + iteration)")
+        fresh = seed + rank + 1_000_003 * iter_num
+        rng.seed(fresh)
+        random.seed(fresh)
+        torch.manual_seed(fresh)
+    return iter_num

@@ -24,7 +24,8 @@ import torch
 import data
 import model as M
 from configurator import auto_device, check_ranges, config_of, package_path, package_paths, parse_overrides, peak_flops
-from checkpoint import base_digest, read_checkpoint, sharedllm_from_checkpoint
+from checkpoint import (base_digest, read_checkpoint, restore_training, rng_states, save_checkpoint,
+                        sharedllm_from_checkpoint)
 from load_llama import load_llama, load_tokenizer, tokenizer_from_spec
 from tokenizer import ByteTokenizer, GPT2Tokenizer
 
@@ -141,7 +142,9 @@ def main():
 
     # the optimizer, its state and the random streams when resuming, the moving average of the weights
     optimizer, scaler = make_optimizer(params, dt)
-    iter_num = 0 if ckpt is None else resume_state(ckpt, optimizer, scaler, rng, rank, dev_type, master)
+    iter_num = 0 if ckpt is None else restore_training(ckpt, optimizer, scaler, rng, rank, dev_type, seed)
+    if master and iter_num >= max_iters:
+        print(f"nothing to train: {out_dir}/ckpt.pt is at iteration {iter_num} and --max_iters is {max_iters}")
     ema, names = moving_average(raw, params, ckpt)
     log_path = start_log(ckpt, iter_num, master)
     # a non-finite loss stops the run, read back only at log lines and checkpoints (one host sync per micro-step
@@ -161,7 +164,8 @@ def main():
         if due and master:
             check_finite(nonfinite, checked_at, iter_num)
             if not eval_only:   # first: an evaluation that fails never costs the trained weights
-                save(raw, optimizer, scaler, ema, names, base, model_args, tok, rngs, iter_num)
+                save_checkpoint(os.path.join(out_dir, "ckpt.pt"), raw, optimizer, scaler, ema, names, base,
+                                model_args=model_args, iter_num=iter_num, config=config, tokenizer=tok.spec, rngs=rngs)
             which, iters = ("final_eval_chunks", final_eval_iters or eval_iters) if last else ("eval_chunks", eval_iters)
             with averaged(params, ema), said_if_it_fails(iter_num):
                 res = evaluate(raw, tok, splits, eval_counts[which], lm_eval_counts, iters, iter_num, dev, autocast)
@@ -613,62 +617,6 @@ def evaluate(raw, tok, splits, counts, lm_eval_counts, iters, iter_num, dev, aut
     raw.train()
     raw.scfg.beta = trained_beta
     return out
-
-
-def resume_state(ckpt, optimizer, scaler, rng, rank, dev_type, master):
-    # the optimizer's and scaler's state, and this rank's three random streams, from the checkpoint -> its iteration
-    optimizer.load_state_dict(ckpt["optimizer"])
-    iter_num = ckpt["iter_num"]
-    if master and iter_num >= max_iters:
-        print(f"nothing to train: {out_dir}/ckpt.pt is at iteration {iter_num} and --max_iters is {max_iters}")
-    if "scaler" in ckpt:
-        scaler.load_state_dict(ckpt["scaler"])
-    # every rank goes on with its own random streams (data, split noise, torch); older checkpoints hold rank 0's
-    states = ckpt.get("rngs") or [dict(data=ckpt["rng"][0], tree=ckpt["tree_rng"], torch=ckpt["torch_rng"])]
-    if rank < len(states):
-        rng.setstate(states[rank]["data"])
-        random.setstate(states[rank]["tree"])
-        torch.set_rng_state(states[rank]["torch"])
-        if "cuda" in states[rank] and dev_type == "cuda":
-            torch.cuda.set_rng_state(states[rank]["cuda"])
-    else:   # more processes than wrote the checkpoint: this one starts fresh streams of its own
-        print(f"rank {rank}: the checkpoint holds the random streams of {len(states)} process(es); this rank starts "
-              f"new ones (seed {seed} + rank + iteration)")
-        fresh = seed + rank + 1_000_003 * iter_num
-        rng.seed(fresh)
-        random.seed(fresh)
-        torch.manual_seed(fresh)
-    return iter_num
-
-
-def rng_states(rng, ddp, world, dev_type):
-    # this process's three random streams; under DDP every rank's (a collective: all ranks call it together)
-    mine = dict(data=rng.getstate(), tree=random.getstate(), torch=torch.get_rng_state(),
-                **(dict(cuda=torch.cuda.get_rng_state()) if dev_type == "cuda" else {}))
-    if not ddp:
-        return [mine]
-    everyone = [None] * world
-    torch.distributed.all_gather_object(everyone, mine)
-    return everyone
-
-
-def save(raw, optimizer, scaler, ema, names, base, model_args, tok, rngs, iter_num):
-    # out_dir/ckpt.pt, written in full and then renamed: a crash never leaves half a checkpoint
-    state, extra = raw.state_dict(), {}
-    if base:   # light: what trains, and the base checkpoint (path and content hash) that holds the rest
-        trained = {n for n, p in raw.named_parameters(remove_duplicate=False) if p.requires_grad}
-        state = {k: v for k, v in state.items() if k in trained}
-    if ema is not None:   # "model" is the average (what eval.py and sample.py read); "raw" is for resume
-        avg = {n: e for e, ns in zip(ema, names) for n in ns}
-        extra["raw"] = {n: state[n] for n in avg}
-        state = {**state, **avg}
-    if scaler.is_enabled():
-        extra["scaler"] = scaler.state_dict()
-    ck = dict(model=state, optimizer=optimizer.state_dict(), model_args=model_args, iter_num=iter_num,
-              config=config, tokenizer=tok.spec, rngs=rngs, **(dict(base=base) if base else {}), **extra)
-    path = os.path.join(out_dir, "ckpt.pt")
-    torch.save(ck, path + ".tmp")
-    os.replace(path + ".tmp", path)
 
 
 def check_finite(nonfinite, since, iter_num):
