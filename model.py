@@ -558,8 +558,7 @@ class SharedLLM(nn.Module):
             return continuation_policy(rows, idx, query_len), None
         first_kv = first_layer_kv(low, rows.reshape(-1))                 # (B*n*C, Hkv, hd) each
         if policy == "attention":                                             # (beyond the paper)
-            return attention_policy(self.upper, rows, idx, query_len, first_kv[0],
-                                    self.scfg.height), first_kv
+            return attention_policy(self.upper, rows, idx, query_len, first_kv[0]), first_kv
         return self.query_policy(rows, idx, query_len, first_kv), first_kv
 
     def expand_right_reference(self, question, left, right):
@@ -900,15 +899,11 @@ def search_scores(llama, idx, query_len, k0):
     return torch.einsum("bkgd,bckd->bckg", q, k0.float()).flatten(2) / math.sqrt(hd)
 
 
-def attention_policy(llama, rows, idx, query_len, k0, height):
-    # policy="attention": expand toward the leaf that the model itself would read most. Were a head
-    # to read the node uncompressed, its softmax over search_scores would spread over the node's
-    # tokens; each tree expands the child holding the leaf-sized cell (tree.cells: the leaves that
-    # exact halves would make) with the largest share, averaged over heads. Looking ahead to cells,
-    # not comparing the children's totals, matters where a split cuts one mention of the key: the
-    # cut halves can outweigh a whole mention elsewhere, but no cell holds more of the key than the
-    # whole one. No new weights: training the cross-attention trains it. Prefix sums give every
-    # span's share at once.
+def attention_policy(llama, rows, idx, query_len, k0):
+    # policy="attention": expand the child that the model itself would read. Were a head to read
+    # both children uncompressed, its softmax over search_scores would split between them; the tree
+    # expands the child that gets the larger share, averaged over heads. No new weights: training
+    # the cross-attention trains it. Prefix sums give every span's share at once.
     # rows: (R, C), R = B*n; idx: (B, T); query_len: (B,) on the host;
     # k0: the first lower layer's K before RoPE of every context token, (R*C, Hkv, hd) -> decide
     (R, C), B = rows.shape, idx.shape[0]
@@ -920,17 +915,12 @@ def attention_policy(llama, rows, idx, query_len, k0, height):
         exact = torch.float32 if s.device.type == "mps" else torch.float64
         w = (s - s.amax(1, keepdim=True)).to(exact).exp()                  # softmax numerators
         prefix = F.pad(w.cumsum(1), (0, 0, 1, 0))                          # (R, C+1, Hq)
-    r = torch.arange(R, device=rows.device)[:, None]
 
     def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
-        # every cell of the left child, then of the right: (R, 2k, 2) spans
-        spans = to_device([tree.cells(*lf, height - level) + tree.cells(*rt, height - level)
-                           for lf, rt in zip(lefts, rights)], rows.device)
-        mass = prefix[r, spans[..., 1]] - prefix[r, spans[..., 0]]          # (R, 2k, Hq)
-        # each cell's share of the node, per head, then averaged; all at 0 (underflow): left
-        share = (mass / mass.sum(1, keepdim=True)).nan_to_num(0.0).mean(-1)  # (R, 2k)
-        right = share.argmax(1) >= share.shape[1] // 2
-        return [go or nq for go, nq in zip(right.tolist(), no_query)]
+        left, right = child_sums(prefix, lefts, rights)                    # (R, Hq) mass per head
+        # (R,) right's mean share; both children at 0 (underflow) is a tie
+        share = (right / (left + right)).nan_to_num(0.5).mean(-1)
+        return [go or nq for go, nq in zip((share > 0.5).tolist(), no_query)]
     return decide
 
 

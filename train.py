@@ -51,8 +51,8 @@ chunk_size = 128            # C
 height = 3                  # tree height h
 beta = 8                    # compression: C / KVs kept per chunk
 policy = "attention"        # "right" | "query" (the paper's: the passkey question's vector steers each tree) |
-                            # "attention" (beyond the paper: toward the leaf the question's cross-attention query
-                            # reads most; docs/experiments.md measures it) | "query_mean" (SmolLM2's retrieval recipe) |
+                            # "attention" (beyond the paper: the child the question's cross-attention query reads
+                            # most; docs/experiments.md measures it) | "query_mean" (SmolLM2's retrieval recipe) |
                             # "continuation" (lexical: toward what follows the question's last words in X_C)
 search_loss = True          # policy "attention" only: in passkey batches, also train the question's attention over
                             # X_C to land on the answer's tokens (model.search_loss; its loss is in the passkey loss)

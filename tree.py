@@ -95,15 +95,6 @@ def keep_index(length, k, where="last"):
     return [j * length // k for j in range(k)]
 
 
-def cells(start, end, splits):
-    """The 2**splits spans that `splits` more exact-half splits make of [start, end): the leaves a
-    node would end with if the search went on without noise (what a policy can look ahead to)."""
-    spans = [(start, end)]
-    for _ in range(splits):
-        spans = [half for s, e in spans for half in ((s, s + (e - s) // 2), (s + (e - s) // 2, e))]
-    return spans
-
-
 def search(n_chunks, chunk_size, height, beta, decide=None, noise=0.0, rng=None):
     """Split-and-search over n_chunks trees at once.
     Returns, per chunk, its preserved nodes in text order.

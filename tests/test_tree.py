@@ -92,19 +92,6 @@ def test_keep_index():
         tree.keep_index(5, 6)
 
 
-@pytest.mark.parametrize("C", [128, 100, 37])
-def test_cells_are_the_leaves_exact_halves_make(C):
-    # what the attention policy looks ahead to: the cells tile the node, and the search without noise ends on them
-    assert tree.cells(0, 128, 3) == [(i, i + 16) for i in range(0, 128, 16)]
-    cs = tree.cells(0, C, 3)
-    assert len(cs) == 8 and cs[0][0] == 0 and cs[-1][1] == C and all(a[1] == b[0] for a, b in zip(cs, cs[1:]))
-    for pick in ([False, False], [True, False], [False, True], [True, True]):   # every path through the tree
-        leaves = [(nd.start, nd.end) for nd in tree.search(1, C, 3, 4, lambda level, l, r: [pick[level - 1]])[0]
-                  if nd.level == 3]
-        path = 2 * pick[0] + pick[1]
-        assert leaves == cs[2 * path:2 * path + 2]
-
-
 def test_noise_is_shared_per_level_and_clamped():
     rng = random.Random(3)
     trees = tree.search(5, 1024, 3, 8, noise=5.0, rng=rng)
