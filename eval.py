@@ -207,7 +207,8 @@ def passkey_accuracy(model, tok, n, C, depth, band, samples, batch_size, seed, d
         if full or window:
             seq = torch.cat([ctx.flatten(1), idx], 1)                  # (B, n*C + T)
             seq = seq[:, -window:] if window else seq                  # ... or its last W tokens
-            keep = [key_in(row[:-idx.shape[1]].tolist(), t[t != -100].tolist()) for row, t in zip(seq, tgt)]
+            keep = [bool(data.key_mentions(row[:-idx.shape[1]].tolist(), t[t != -100].tolist()))
+                    for row, t in zip(seq, tgt)]
             seq, idx, tgt = seq[keep], idx[keep], tgt[keep]
             if not len(seq):
                 continue
@@ -232,10 +233,6 @@ def passkey_xd(tok):
 
 
 XD_MARGIN = 4
-
-
-def key_in(tokens, key):   # does the list `tokens` hold `key` (the answer's token ids) as a contiguous run?
-    return any(tokens[i:i + len(key)] == key for i in range(len(tokens) - len(key) + 1))
 
 
 def band(g, ds):

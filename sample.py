@@ -233,7 +233,7 @@ def key_mentions(tok, answer, ids):
     # without a key. The ids are the answer's as the needle has them (data.passkey_question), which a tokenizer that
     # folds the space before the key into its first token (GPT-2) makes different from the key encoded alone
     kid = data.passkey_question(tok, answer)[1] if answer else []
-    return kid, [p for p in range(len(ids) - len(kid) + 1) if kid and ids[p:p + len(kid)] == kid]
+    return kid, [p for p, _ in data.key_mentions(ids, kid)] if kid else []
 
 
 def pictures(g, model, memory, idx, n, kid, at_key):
