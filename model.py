@@ -690,7 +690,8 @@ def chunk_positions(scfg, B, n, device, training):
     # Beyond the paper, for reading more chunks than training saw:
     # "clamp": ids below n - max_chunk_dist are raised to it, so every chunk older than the
     #   max_chunk_dist most recent ones sits at the largest distance training saw (ReRoPE, Su 2023,
-    #   clamps token distances this way). With n <= max_chunk_dist (training) it IS plain.
+    #   clamps token distances this way). With n <= max_chunk_dist it IS plain; set below the
+    #   trained n (the workshop: 4 of 8), training too shows old chunks at one shared distance.
     # "random" (plain at inference): in training, n distinct ids drawn from 0..span-1 and sorted,
     #   the queries one past the last, with the span log-uniform in n..max_chunk_id: dense ids and
     #   every scale of distance up to max_chunk_id are seen, each octave as often (Ruoss et al.,
@@ -972,8 +973,8 @@ def search_loss(model, context, idx, query_len, key_at):
 
 
 def logn_scale(scfg, n, S):
-    # The cross-attention queries' scale. With logn_scale on and more chunks than training saw
-    # (n > max_chunk_dist): log(keys) / log(keys at the trained length), sharpening the softmax so
+    # The cross-attention queries' scale. With logn_scale on and more chunks than max_chunk_dist
+    # (usually the trained n): log(keys) / log(keys at max_chunk_dist), sharpening the softmax so
     # that the few keys that matter keep their weight against many more (attention entropy as
     # trained: Chiang & Cholak 2022; Qwen's log-n scaling). Else 1.
     if not scfg.logn_scale or n <= scfg.max_chunk_dist:

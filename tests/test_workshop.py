@@ -229,7 +229,7 @@ def test_a_broken_or_empty_log_is_named(tmp_path, capsys):
 
 def test_the_recipe_is_the_one_workshop_md_describes():
     # WORKSHOP.md's numbers were measured with config/workshop.py: its description of the run names the same search,
-    # iterations, chunk curriculum (and so the clamp distance), beta start and average as the recipe file
+    # iterations, chunk curriculum, clamp distance, beta start and average as the recipe file
     cfg = {}
     exec(open(os.path.join(ROOT, "config", "workshop.py")).read(), {}, cfg)
     text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
@@ -242,4 +242,4 @@ def test_the_recipe_is_the_one_workshop_md_describes():
     beta, until = cfg["beta_schedule"].split(":")
     assert f"beta {beta} until {until}, then {cfg['beta']};" in text
     assert ("a short weight average" in text) == (0 < cfg["ema_decay"] < 0.998)
-    assert f"chunk ids clamped beyond {cfg['n_chunks']} chunks" in text and cfg["chunk_ids"] == "clamp"
+    assert f"chunk ids clamped beyond {cfg['max_chunk_dist']} chunks" in text and cfg["chunk_ids"] == "clamp"
