@@ -412,12 +412,12 @@ class SharedConfig:
     # training the upper model (train.py --train=cross+top, upper) leaves the compressor as it was
     lower: str = "shared"
     # --- beyond the paper (see "Options beyond the paper" at the end of this file) ---
-    # "clamp": the largest chunk distance; logn_scale: the trained chunk count (one setting for
-    # both: train.py sets it to the trained n_chunks)
+    # "clamp": the largest chunk distance; logn_scale: the chunk count it scales against (one
+    # setting for both: train.py sets it to --max_chunk_dist, else the trained n_chunks)
     max_chunk_dist: int = 4
     # "random": in training, each sample's chunks sit at sorted random ids up to max_chunk_id
     max_chunk_id: int = 1024
-    # beyond max_chunk_dist chunks, scale cross-attention queries by log(keys) / log(trained keys)
+    # beyond max_chunk_dist chunks, scale cross-attention queries by log(keys) / log(those keys)
     logn_scale: bool = False
     # which token of each stride window keeps its KV: "last", or "first" (the released code)
     keep: str = "last"

@@ -10,13 +10,13 @@ policy = "continuation"      # toward what follows the question's last words: ri
 search_loss = False          # (it trains only the "attention" search)
 max_iters = 2000
 ema_decay = 0.995            # a short weight average (half-life ~140 iterations), restarted when text joins
-logn_scale = True            # log-n query scaling beyond the trained chunks
+logn_scale = True            # log-n query scaling beyond max_chunk_dist chunks
 beta = 4                     # 32 KVs per 128-token chunk, a leaf's 16 bytes in 8: with one lower layer to
                              # pack a window into its kept token, beta 8 (4-byte windows) left 3 seeds of 10
                              # under 90% (docs/experiments.md)
 chunk_ids = "clamp"          # chunk ids clamped beyond 4 chunks, so training (up to 8) already shows chunks
-max_chunk_dist = 4           # at one shared distance: clamped at 8, the oldest keys at 64 chunks read 81% on one
-                             # seed of 11 (docs/experiments.md)
+max_chunk_dist = 4           # at one shared distance: clamped at 8, one seed of 11 read 81% at 64 chunks,
+                             # its oldest keys lost (docs/experiments.md)
 n_chunks = 8                 # the last 400 iterations on 8 chunks: reading among more KVs holds 64 chunks up
 chunk_schedule = "1:500,2:1000,4:1600"   # 1 chunk, then 2, then 4, then 8 from iteration 1600
 beta_schedule = "2:500"
