@@ -14,9 +14,9 @@ logn_scale = True            # log-n query scaling beyond max_chunk_dist chunks
 beta = 4                     # 32 KVs per 128-token chunk, a leaf's 16 bytes in 8: with one lower layer to
                              # pack a window into its kept token, beta 8 (4-byte windows) left 3 seeds of 10
                              # under 90% (docs/experiments.md)
-chunk_ids = "clamp"          # chunk ids clamped beyond 4 chunks, so training (up to 8) already shows chunks
-max_chunk_dist = 4           # at one shared distance: clamped at 8, one seed of 11 read 81% at 64 chunks,
-                             # its oldest keys lost (docs/experiments.md)
+chunk_ids = "clamp"          # chunk ids clamped beyond max_chunk_dist chunks
+max_chunk_dist = 4           # 4, not 8: training on 8 chunks then already shows old chunks at one distance;
+                             # clamped at 8, one seed of 11 read 81% at 64 chunks (docs/experiments.md)
 n_chunks = 8                 # the last 400 iterations on 8 chunks: reading among more KVs holds 64 chunks up
 chunk_schedule = "1:500,2:1000,4:1600"   # 1 chunk, then 2, then 4, then 8 from iteration 1600
 beta_schedule = "2:500"
