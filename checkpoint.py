@@ -59,6 +59,7 @@ def sharedllm_from_checkpoint(ck, ckpt_file, dtype=torch.float32):
     if inject != "bottom":
         raise ValueError(f"{ckpt_file}: trained with cross-attention in the {inject} layers (inject="
                          f"{inject!r}), which this version no longer has; only the bottom M layers")
+    retired(args["shared"], ckpt_file)
     scfg = M.SharedConfig(**args["shared"])
     if base:
         if not os.path.exists(base["path"]):
@@ -84,6 +85,24 @@ def sharedllm_from_checkpoint(ck, ckpt_file, dtype=torch.float32):
     return model
 
 
+# Settings that left with issue 48 (every recipe now runs one search and one chunk-id form); they last existed at
+# commit 84a7b60. A checkpoint that used one names it here rather than failing on an unknown setting.
+RETIRED = {"policy": ("attention", "query_mean"), "chunk_ids": ("clamp",)}
+
+
+def retired(shared, ckpt_file):
+    # shared: a checkpoint's SharedConfig settings, edited in place: the retired ones that change nothing are dropped
+    for name, gone in RETIRED.items():
+        if shared.get(name) in gone:
+            raise ValueError(f"{ckpt_file}: trained with {name}={shared[name]!r}, which this version no longer has (it "
+                             f"last existed at commit 84a7b60); read it with today's method, e.g. eval.py "
+                             f"--policy=continuation --chunk_ids=plain, or check out that commit")
+    if shared.pop("logn_scale", False):
+        print(f"note: {ckpt_file} was evaluated with log-n query scaling, which this version no longer has: it is "
+              "read without it")
+    shared.pop("max_chunk_dist", None)
+
+
 def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
     # A SharedLLM and its tokenizer from a train.py checkpoint (a ckpt.pt file or the out_dir holding one), or from a
     # LLaMA folder or .gguf file (untrained cross-attention: exactly the base model until trained). shared: SharedConfig
@@ -99,6 +118,7 @@ def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
             if name in shared and shared[name] != args["shared"][name]:
                 raise ValueError(f"{name} ({what}) = {shared[name]}: {ckpt_file} was trained with {what} = "
                                  f"{args['shared'][name]}; {what} is fixed by the checkpoint")
+        args["shared"].update({k: v for k, v in shared.items() if k in RETIRED})   # read it another way
         model = sharedllm_from_checkpoint(ck, ckpt_file, dtype)   # first: a light one's missing base is named as such
         model.base_checkpoint = ck.get("base")                     # (path, sha256) of a light checkpoint's base
         tok = tokenizer_from_spec(spec)

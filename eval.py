@@ -51,12 +51,9 @@ batch_size = 8
 # ablations: inference-time SharedLLM settings (0 / "" = as trained); noise and M need their own training run
 height = 0                  # tree height h
 beta = 0                    # compression C / KVs kept per chunk
-policy = ""                 # "right" (retrieval off) | "query" | "attention" | "query_mean" | "continuation" (model.py:
-                            # beyond the paper)
-chunk_ids = ""              # "plain" | "clamp" | "off" ("random" is read like plain: at inference they are the same)
-max_chunk_dist = 0          # "clamp": the largest chunk distance; 0 = the checkpoint's own (else its n_chunks)
+policy = ""                 # "continuation" (every recipe's) | "query" (the paper's vector) | "right" (retrieval off)
+chunk_ids = ""              # "plain" | "off" ("random" is read like plain: at inference they are the same)
 keep = ""                   # "last" | "first" token of each stride window
-logn_scale = ""             # "on" | "off": log-n query scaling beyond the trained number of chunks; "" = as trained
 compare = ""                # ablations: more rows from other checkpoints, "label=out_dir;label=out_dir" (noise off, M)
 n_lower = 0                 # M (LLaMA-2 folder only)
 chunk_size = 0              # C (LLaMA-2 folder only)
@@ -319,15 +316,13 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
 ABLATIONS = [("SharedLLM (as trained)", {}), ("height 2", {"height": 2}), ("height 4", {"height": 4}),
              ("beta 1", {"beta": 1}), ("beta 4", {"beta": 4}), ("beta 16", {"beta": 16}),
              ("retrieval off (policy right)", {"policy": "right"}), ("chunk ids off", {"chunk_ids": "off"}),
-             ("chunk ids plain (no clamp)", {"chunk_ids": "plain"}), ("first of window", {"keep": "first"})]
+             ("the paper's search (policy query)", {"policy": "query"}), ("first of window", {"keep": "first"})]
 
 
 def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
     # columns for what the checkpoint was trained on: passkey accuracy, perplexity with the context, or both
     pk, lm = trained_on in ("passkey", "mixed", ""), trained_on in ("lm", "mixed", "")
     rows = [(name, model, over) for name, over in ABLATIONS]
-    flip = not model.scfg.logn_scale   # log-n scaling the other way than the checkpoint has it
-    rows.insert(-1, (f"log-n scaling {'on' if flip else 'off'}", model, {"logn_scale": flip}))
     for part in filter(None, g["compare"].split(";")):   # rows that need their own training run
         if "=" not in part:
             raise ValueError(f"--compare={g['compare']}: expected label=out_dir;label=out_dir")
@@ -401,20 +396,12 @@ def main(g):
         print(f"note: --compare is read by --task=ablations only; --task={g['task']} leaves it out")
     if g["task"] not in ("ppl", "passkey", "ablations"):
         raise SystemExit(f"eval.py: --task={g['task']}: expected ppl, passkey or ablations")
-    if g["chunk_ids"] not in ("", "plain", "clamp", "random", "off"):
-        raise SystemExit(f"eval.py: --chunk_ids={g['chunk_ids']}: expected plain, clamp, random or off")
-    if g["logn_scale"] not in ("", "on", "off"):
-        raise SystemExit(f"eval.py: --logn_scale={g['logn_scale']}: expected on or off")
-    shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "n_lower", "chunk_size", "chunk_ids",
-                                "max_chunk_dist") if g[k]}
-    if g["logn_scale"]:
-        shared["logn_scale"] = g["logn_scale"] == "on"
+    if g["chunk_ids"] not in ("", "plain", "random", "off"):
+        raise SystemExit(f"eval.py: --chunk_ids={g['chunk_ids']}: expected plain, random or off")
+    shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "n_lower", "chunk_size", "chunk_ids") if g[k]}
     torch.manual_seed(g["seed"])
     try:
         model, tok, train_cfg = load_sharedllm(package_path(g["init_from"]), dev, getattr(torch, dt), **shared)
-        if g["chunk_ids"] == "clamp" and not g["max_chunk_dist"] and train_cfg.get("chunk_ids") != "clamp":
-            # a checkpoint trained without clamping: clamp at the longest distance it saw
-            model.scfg.max_chunk_dist = train_cfg.get("n_chunks", model.scfg.max_chunk_dist)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"eval.py: --init_from={g['init_from']}: {e}") from None
     C = model.scfg.chunk_size

@@ -8,6 +8,9 @@ SharedLLM ("Two Are Better than One", ICLR 2025) makes two models out of one LLa
 - the UPPER model (the whole LLaMA) reads the running text X_D and, in its bottom M layers,
   cross-attends to those compressed key/values. Keys of chunk i sit at chunk position i and every
   query at position n (n chunks), on top of the keys' own node-local rotation (paper Eq. 2).
+Beyond the paper, two choices, the same in every recipe: the search follows what comes after the
+question's last words in X_C (continuation_policy), and training draws random chunk ids
+(chunk_positions) so that reading far more chunks than training saw stays in distribution.
 
 Notable features:
 - hand-written RoPE that takes explicit position ids (whole chunks can sit at one position);
@@ -150,13 +153,17 @@ def apply_rope(x, cos, sin):
 _announced = set()
 
 
-def attention(q, k, v, causal, backend=None):
+def attention(q, k, v, causal, backend=None, mask=None):
     # q: (B, Hq, Tq, hd); k, v: (B, Hkv, Tk, hd), Hq a multiple of Hkv (grouped-query attention).
     # causal with Tq < Tk means the queries are the LAST Tq positions (decoding with a cache).
+    # mask: (B, 1, Tq, Tk) bool, True where a query may read a key (lower_kv); not with causal.
     backend = backend or ATTN_BACKEND
     if backend is None:
         half = q.dtype in (torch.float16, torch.bfloat16)
         backend = "flash" if flash_attn_func is not None and q.is_cuda and half else "sdpa"
+    if mask is not None:   # flash-attn takes no mask of this kind
+        assert not causal, "attention: a mask or causal, not both"
+        backend = "manual" if backend == "manual" else "sdpa"
     if backend not in _announced:
         _announced.add(backend)
         missing = backend == "sdpa" and flash_attn_func is None
@@ -166,7 +173,6 @@ def attention(q, k, v, causal, backend=None):
     if backend == "flash":  # wants (B, T, H, hd), aligns causal masks bottom-right, does GQA
         y = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
         return y.transpose(1, 2)
-    mask = None
     if causal and Tq != Tk:  # bottom-right aligned: query i sits at key position i + Tk - Tq
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
     if backend == "sdpa":
@@ -178,10 +184,10 @@ def attention(q, k, v, causal, backend=None):
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)   # (B, Hq, Tk, hd)
     att = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, Hq, Tq, Tk)
-    if causal:
-        allowed = mask if mask is not None else torch.ones(Tq, Tk, dtype=torch.bool,
-                                                           device=q.device).tril()
-        att = att.masked_fill(~allowed, float("-inf"))
+    if causal and mask is None:
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        att = att.masked_fill(~mask, float("-inf"))
     return (att.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
@@ -241,8 +247,8 @@ class SelfAttention(nn.Module):
 
 # What an upper layer's cross-attention reads (paper Eq. 3): the compressed K (rotated) and V of
 # its lower layer, (B, Hkv, n*S, hd) each (S KVs per chunk); the rotation of the X_D queries to
-# their chunk position (cos, sin), or None; a query scale.
-Cross = namedtuple("Cross", "k v q_rope scale")
+# their chunk position (cos, sin), or None.
+Cross = namedtuple("Cross", "k v q_rope")
 
 
 class CrossAttention(nn.Module):
@@ -255,16 +261,15 @@ class CrossAttention(nn.Module):
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def queries(self, x, q_rope, scale=1.0):
+    def queries(self, x, q_rope):
         # x: (B, T, dim) -> (B, Hq, T, hd), rotated to chunk position n (q_rope) unless chunk ids
-        # are off, and scaled (1 unless log-n scaling is on beyond the trained length)
+        # are off
         q = split_heads(self.wq(x), self.n_heads, self.head_dim)
-        q = q if q_rope is None else apply_rope(q, *q_rope)
-        return q if scale == 1.0 else q * scale
+        return q if q_rope is None else apply_rope(q, *q_rope)
 
     def forward(self, x, cross):
         # x: (B, T, dim); cross: a Cross -> (B, T, dim). The context precedes X_D: no mask.
-        y = attention(self.queries(x, cross.q_rope, cross.scale), cross.k, cross.v, causal=False)
+        y = attention(self.queries(x, cross.q_rope), cross.k, cross.v, causal=False)
         return self.wo(merge_heads(y))
 
 
@@ -328,7 +333,7 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             cross = None
             if memory is not None and layer.cross_attention is not None:   # reads lower layer i
-                cross = Cross(*memory.kv[i], memory.q_rope, memory.q_scale)
+                cross = Cross(*memory.kv[i], memory.q_rope)
             cache = None if caches is None else caches[i]
             if self.checkpointing and self.training:   # recompute in backward: memory for time
                 x = torch.utils.checkpoint.checkpoint(layer, x, rope, cache, cross,
@@ -396,43 +401,37 @@ class SharedConfig:
     height: int = 3
     # the overall compression: C / (KVs kept per chunk)
     beta: int = 8
-    # which child the search expands: "query" (the paper: cosine with the question; a row with no
-    # question, as in language modeling, goes right) or "right" (always the most recent half: the
-    # paper's LM). Beyond the paper: "attention" (the default: it finds the key once trained, the
-    # paper's vector does not), "query_mean" and "continuation" (Options beyond the paper).
-    policy: str = "attention"
+    # which child the search expands. "continuation" (ours, every recipe's): toward what follows
+    # the question's last words in X_C (continuation_policy); no question, as in language
+    # modeling, goes right, as in the paper. Ablations: "query" (the paper's vector: cosine with
+    # the question) and "right" (always the most recent half, question or not).
+    policy: str = "continuation"
     # the split noise in training (Eq. 1): sigma = l / noise (l: the node's length; the paper's
     # Table 5: l/5 LM, l/10 SFT), so LARGER means LESS noise; 0 = exact halves (its "w/o noise")
     noise: float = 0.0
-    # chunk-level position ids (Eq. 2): "plain" (the paper), "off" (its ablation), or beyond the
-    # paper "clamp" and "random" (chunk_positions says what each does)
+    # chunk-level position ids (Eq. 2): "random" (ours, every recipe's: random ids in training,
+    # the paper's plain ids at inference), "plain" (the paper's, in training too), "off" (its
+    # ablation); chunk_positions says what each does
     chunk_ids: str = "random"
     # "shared": the lower model is the upper's own bottom M layers (one set of weights: the paper's
     # copy, while they stay frozen or train together); "copy": a frozen copy of them, so that
     # training the upper model (train.py --train=cross+top, upper) leaves the compressor as it was
     lower: str = "shared"
-    # --- beyond the paper (see "Options beyond the paper" at the end of this file) ---
-    # "clamp": the largest chunk distance; logn_scale: the chunk count it scales against (one
-    # setting for both: train.py sets it to --max_chunk_dist, else the trained n_chunks)
-    max_chunk_dist: int = 4
     # "random": in training, each sample's chunks sit at sorted random ids up to max_chunk_id
     max_chunk_id: int = 1024
-    # beyond max_chunk_dist chunks, scale cross-attention queries by log(keys) / log(those keys)
-    logn_scale: bool = False
     # which token of each stride window keeps its KV: "last", or "first" (the released code)
     keep: str = "last"
 
     def __post_init__(self):
         if isinstance(self.chunk_ids, bool):   # older checkpoints and code said True / False
             self.chunk_ids = "plain" if self.chunk_ids else "off"
-        for name, allowed in [("policy", ("right", "query", "query_mean", "attention",
-                                                "continuation")),
-                              ("chunk_ids", ("plain", "clamp", "random", "off")),
+        for name, allowed in [("policy", ("continuation", "query", "right")),
+                              ("chunk_ids", ("random", "plain", "off")),
                               ("lower", ("shared", "copy")), ("keep", ("last", "first"))]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SharedConfig.{name} = {getattr(self, name)!r}; "
                                  f"expected one of {allowed}")
-        for name in ("n_lower", "chunk_size", "height", "beta", "max_chunk_dist"):
+        for name in ("n_lower", "chunk_size", "height", "beta", "max_chunk_id"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SharedConfig.{name} = {getattr(self, name)}; "
                                  "expected at least 1")
@@ -461,8 +460,6 @@ class Memory:
     q_rope: tuple
     # per (batch item, chunk): the preserved tree.Nodes
     nodes: list = field(default_factory=list)
-    # the cross-attention queries' scale (SharedConfig.logn_scale)
-    q_scale: float = 1.0
 
 
 class SharedLLM(nn.Module):
@@ -501,16 +498,11 @@ class SharedLLM(nn.Module):
                 or (n.startswith("layers.") and int(n.split(".")[1]) < self.scfg.n_lower
                     and ".cross_" not in n)]
 
-    def forward(self, context, idx, targets=None, query_len=None, key_at=None):
+    def forward(self, context, idx, targets=None, query_len=None):
         # context: (B, n, C) or None; idx, targets: (B, T) -> logits (B, T, vocab), loss
-        # key_at: (B, n*C) bool, training only, where the answer stands in X_C: adds search_loss
         empty = context is None or context.shape[1] == 0
         memory = None if empty else self.compress(context, idx, query_len)
-        logits, loss = self.upper(idx, targets, memory=memory)
-        if key_at is not None:
-            found = search_loss(self, context, idx, query_len, key_at)
-            loss = found if loss is None else loss + found
-        return logits, loss
+        return self.upper(idx, targets, memory=memory)
 
     @torch.no_grad()
     def generate(self, context, idx, max_new_tokens, query_len=None, **sampling):
@@ -551,15 +543,10 @@ class SharedLLM(nn.Module):
         policy = self.scfg.policy
         if policy == "right" or query_len is None or not bool((query_len > 0).any()):
             return None, None
-        low = self.lower_model()
-        if policy == "query_mean":                                            # (beyond the paper)
-            return mean_embedding_policy(low, rows, idx, query_len), None
-        if policy == "continuation":                                          # (beyond the paper)
+        if policy == "continuation":                                   # ours: every recipe's search
             return continuation_policy(rows, idx, query_len), None
-        first_kv = first_layer_kv(low, rows.reshape(-1))                 # (B*n*C, Hkv, hd) each
-        if policy == "attention":                                             # (beyond the paper)
-            return attention_policy(self.upper, rows, idx, query_len, first_kv[0]), first_kv
-        return self.query_policy(rows, idx, query_len, first_kv), first_kv
+        first_kv = first_layer_kv(self.lower_model(), rows.reshape(-1))  # (B*n*C, Hkv, hd) each
+        return self.query_policy(rows, idx, query_len, first_kv), first_kv   # the paper's vector
 
     def expand_right_reference(self, question, left, right):
         # Step 1 for one tree at one level, the obvious way (query_policy is tested equal to it):
@@ -681,21 +668,17 @@ class SharedLLM(nn.Module):
         for K, V in kv:
             K, V = (t.view(B, n * S, *t.shape[1:]).transpose(1, 2) for t in (K, V))  # B,Hkv,nS,hd
             out.append((K if k_rope is None else apply_rope(K, *k_rope), V))
-        return Memory(out, q_rope, nodes, logn_scale(self.scfg, n, S))
+        return Memory(out, q_rope, nodes)
 
 
 def chunk_positions(scfg, B, n, device, training):
     # The chunk-level position ids of Eq. 2 -> the keys' (B, n) and the queries' (B,), or Nones.
     # "plain" (the paper): the keys of chunk i at i, every X_D query at n. "off": no ids (ablation).
-    # Beyond the paper, for reading more chunks than training saw:
-    # "clamp": ids below n - max_chunk_dist are raised to it, so every chunk older than the
-    #   max_chunk_dist most recent ones sits at the largest distance training saw (ReRoPE, Su 2023,
-    #   clamps token distances this way). With n <= max_chunk_dist it IS plain; set below the
-    #   trained n (the workshop: 4 of 8), training too shows old chunks at one shared distance.
-    # "random" (plain at inference): in training, n distinct ids drawn from 0..span-1 and sorted,
-    #   the queries one past the last, with the span log-uniform in n..max_chunk_id: dense ids and
-    #   every scale of distance up to max_chunk_id are seen, each octave as often (Ruoss et al.,
-    #   2023: randomized positional encodings).
+    # "random" (ours; plain at inference): in training, n distinct ids drawn from 0..span-1 and
+    #   sorted, the queries one past the last, with the span log-uniform in n..max_chunk_id. Dense
+    #   ids and every scale of distance up to max_chunk_id are seen, each octave as often, so
+    #   reading 64x more chunks than training saw meets no unseen distance (Ruoss et al., 2023:
+    #   randomized positional encodings).
     if scfg.chunk_ids == "off":
         return None, None
     if scfg.chunk_ids == "random" and training:
@@ -709,8 +692,6 @@ def chunk_positions(scfg, B, n, device, training):
         ids = draw.argsort(dim=1)[:, :n].sort(dim=1).values                        # (B, n)
         return ids, ids[:, -1] + 1
     ids = torch.arange(n + 1, device=device)
-    if scfg.chunk_ids == "clamp":
-        ids[:n] = ids[:n].clamp(min=n - scfg.max_chunk_dist)
     return ids[:n].expand(B, n), ids[n].expand(B)
 
 # -----------------------------------------------------------------------------
@@ -722,24 +703,34 @@ def lower_kv(llama, tokens, n_layers, kept_at, kv0=None):
     # 0..L-1 (causal, no cross-attention) -> per layer its self-attention K (rotated) and V at the
     # kept positions kept_at (R, n_kept): n_layers x (K, V), each (R, Hkv, n_kept, hd).
     # kv0: the first layer's K, V over tokens, if already computed.
-    cos, sin = llama.rope(torch.arange(tokens.shape[1], device=tokens.device))
+    # Only the kept tokens' K/V leave the last block, so the block below it needs its output at
+    # the kept tokens alone: there only they get a query, attention and the MLP (K/V at every
+    # token, as the causal attention reads them all). The same numbers as running every block
+    # on every token (encode_nodes_reference, tested equal).
+    L = tokens.shape[1]
+    cos, sin = llama.rope(torch.arange(L, device=tokens.device))
+    cos_k, sin_k = cos[kept_at][:, None], sin[kept_at][:, None]          # (R, 1, n_kept, hd)
     x, out = llama.tok_embeddings(tokens), []
     at = kept_at[:, None, :, None]                                       # (R, 1, n_kept, 1)
     take = lambda t: t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3]))   # (R,Hkv,L,hd) -> kept
+    rows = lambda t: t.gather(1, kept_at[:, :, None].expand(-1, -1, t.shape[2]))  # (R,L,d) -> kept
     for i, block in enumerate(llama.layers[:n_layers]):
         att, given = block.attention, (kv0 if i == 0 else None)
         if i == n_layers - 1:   # the last block's output is never used: only the kept tokens' K, V
             if given is not None:
                 out.append((take(given[0]), take(given[1])))
-            else:
-                xk = x.gather(1, kept_at[:, :, None].expand(-1, -1, x.shape[2]))  # (R,n_kept,dim)
-                cos_k, sin_k = cos[kept_at][:, None], sin[kept_at][:, None]
+            else:   # x is already at the kept tokens, unless this is the only block
+                xk = rows(x) if n_layers == 1 else x                             # (R,n_kept,dim)
                 out.append(att.kv(block.attention_norm(xk), cos_k, sin_k))
             break
         h = block.attention_norm(x)   # the block's forward, written out to keep its K and V
-        q = att.query(h, (cos, sin))
         k, v = att.kv(h, cos, sin) if given is None else given                   # (R, Hkv, L, hd)
-        x = x + att.wo(merge_heads(attention(q, k, v, causal=True)))
+        if i == n_layers - 2:   # the next block reads this one at the kept tokens: queries there
+            q = att.query(rows(h), (cos_k, sin_k))                         # (R, Hq, n_kept, hd)
+            sees = kept_at[:, None, :, None] >= torch.arange(L, device=x.device)   # R,1,n_kept,L
+            x = rows(x) + att.wo(merge_heads(attention(q, k, v, causal=False, mask=sees)))
+        else:
+            x = x + att.wo(merge_heads(attention(att.query(h, (cos, sin)), k, v, causal=True)))
         x = x + block.feed_forward(block.ffn_norm(x))
         out.append((take(k), take(v)))
     return out
@@ -830,113 +821,22 @@ def frozen_copy(llama, m):
     return lower.requires_grad_(False)
 
 # -----------------------------------------------------------------------------
-# Options beyond the paper, each used by a recipe (config/*.py, WORKSHOP.md) or explained by a
-# measurement in docs/experiments.md. Two are on by default: chunk_ids="random" (chunk_positions,
-# beside step 4), and policy="attention" with its search_loss (train.py --search_loss, through
-# forward's key_at): the paper's vector left the key in a coarse node, this search finds it, and
-# with M = 3 every seed measured reads it (docs/experiments.md). The others are off unless named:
-# chunk_ids="clamp" and logn_scale (reading past the trained length: the LLaMA-2 and SmolLM2
-# recipes, the workshop), policy="query_mean" (SmolLM2's retrieval recipe), policy="continuation"
-# (no weights: the search that finds the key on an untrained SmolLM2). keep="first" (the
-# authors' released code; a workshop exercise) is one line of tree.keep_index.
+# The search beyond the paper, every recipe's (SharedConfig.policy = "continuation")
 
 
-def mean_embedding_policy(llama, rows, idx, query_len):
-    # policy="query_mean": Step 1 with another similarity, the cosine of MEAN TOKEN EMBEDDINGS (the
-    # question's tokens against each child span's). The paper's vector is the first layer's output
-    # at a span's last token, which on a pretrained model reads mostly that token: on SmolLM2 it
-    # left the passkey in its chunk's coarsest node more often than "always right" does
-    # (docs/real_model.md). A mean sees every token, so words the question shares with the needle
-    # ("pass key") pull the search toward it. Prefix sums give every span's mean at once.
-    # rows: (B*n, C); idx: (B, T); query_len: (B,) on the host -> decide(level, lefts, rights)
-    R, C = rows.shape
-    n = R // idx.shape[0]
-    no_query = (query_len == 0).repeat_interleave(n).tolist()
-    with torch.no_grad():
-        emb = llama.tok_embeddings.weight
-        in_query = (torch.arange(idx.shape[1])[None] < query_len[:, None]).to(idx.device)  # (B, T)
-        q = (emb[idx].float() * in_query[..., None]).sum(1)
-        q = q / in_query.sum(1, keepdim=True).clamp(min=1)                            # (B, dim)
-        q = q.repeat_interleave(n, dim=0)                                             # (B*n, dim)
-        prefix = F.pad(emb[rows].float().cumsum(1), (0, 0, 1, 0))                # (B*n, C+1, dim)
-
-    def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
-        # span sums: the cosine ignores the division by the length
-        left, right = child_sums(prefix, lefts, rights)
-        right_closer = F.cosine_similarity(q, right, dim=-1) > F.cosine_similarity(q, left, dim=-1)
-        return [go or nq for go, nq in zip(right_closer.tolist(), no_query)]
-    return decide
-
-
-def child_sums(prefix, lefts, rights):
-    # prefix: (R, C+1, ...) prefix sums over each row's tokens; lefts, rights: per row, its two
-    # children's (start, end) -> the sums over the left and the right child, (R, ...) each
-    b = to_device([[*lf, *rt] for lf, rt in zip(lefts, rights)], prefix.device)   # (R, 4)
-    r = torch.arange(len(prefix), device=prefix.device)
-    return prefix[r, b[:, 1]] - prefix[r, b[:, 0]], prefix[r, b[:, 3]] - prefix[r, b[:, 2]]
-
-
-def cross_query(llama, idx, last):
-    # The question's query in the first cross-attention layer (the upper's layer 0): what the
-    # upper model asks of the compressed context, at the question's last token.
-    # idx: (B, T) X_D; last: (B,) that token's position -> (B, Hq, hd), NOT rotated.
-    blk = llama.layers[0]
-    rope = llama.rope(torch.arange(idx.shape[1], device=idx.device))
-    x = llama.tok_embeddings(idx)
-    x = x + blk.attention(blk.attention_norm(x), rope)                 # its self-attention, then
-    x = blk.cross_norm(x[torch.arange(idx.shape[0], device=idx.device), last])   # (B, dim)
-    q = blk.cross_attention.wq(x)[:, None]                             # (B, 1, Hq * hd)
-    return split_heads(q, blk.cross_attention.n_heads, llama.cfg.head_dim)[:, :, 0]
-
-
-def search_scores(llama, idx, query_len, k0):
-    # the question's cross-attention query (cross_query) against the first lower layer's key of
-    # every context token, by content only (neither rotated): a key's rotation depends on where
-    # its node starts, which differs from level to level, so the search compares contents.
-    # idx (B, T), query_len (B,), k0 (B, L, Hkv, hd) keys before RoPE -> (B, L, Hq), in fp32
-    B, L, Hkv, hd = k0.shape
-    last = (torch.as_tensor(query_len).to(idx.device) - 1).clamp(min=0)
-    q = cross_query(llama, idx, last).float().view(B, Hkv, -1, hd)            # (B, Hkv, G, hd)
-    return torch.einsum("bkgd,bckd->bckg", q, k0.float()).flatten(2) / math.sqrt(hd)
-
-
-def attention_policy(llama, rows, idx, query_len, k0):
-    # policy="attention": expand the child that the model itself would read. Were a head to read
-    # both children uncompressed, its softmax over search_scores would split between them; the tree
-    # expands the child that gets the larger share, averaged over heads. No new weights: training
-    # the cross-attention trains it. Prefix sums give every span's share at once.
-    # rows: (R, C), R = B*n; idx: (B, T); query_len: (B,) on the host;
-    # k0: the first lower layer's K before RoPE of every context token, (R*C, Hkv, hd) -> decide
-    (R, C), B = rows.shape, idx.shape[0]
-    n = R // B
-    no_query = (query_len == 0).repeat_interleave(n).tolist()
-    with torch.no_grad():   # one row of X_C per sample: its n chunks' tokens in order
-        s = search_scores(llama, idx, query_len, k0.view(B, n * C, *k0.shape[1:])).view(R, C, -1)
-        # float64: a span's mass is a difference of two large prefix sums (MPS has no float64)
-        exact = torch.float32 if s.device.type == "mps" else torch.float64
-        w = (s - s.amax(1, keepdim=True)).to(exact).exp()                  # softmax numerators
-        prefix = F.pad(w.cumsum(1), (0, 0, 1, 0))                          # (R, C+1, Hq)
-
-    def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
-        left, right = child_sums(prefix, lefts, rights)                    # (R, Hq) mass per head
-        # (R,) right's mean share; both children at 0 (underflow) is a tie
-        share = (right / (left + right)).nan_to_num(0.5).mean(-1)
-        return [go or nq for go, nq in zip((share > 0.5).tolist(), no_query)]
-    return decide
-
-
-MATCH_MAX = 8   # continuation_policy caps a match at 8 tokens: longer ones are as rare (16 bytes of
+MATCH_MAX = 8   # a match counts at most 8 tokens: longer ones are as rare (16 bytes of
                 # "The pass key is " already match 8; SmolLM2 tokenizes it as 5)
 
 
 def continuation_policy(rows, idx, query_len):
-    # policy="continuation": lexical, no weights. Where the question's last words stand in the
-    # context, what follows them is what it asks for ("... The pass key is" -> the key), as an
-    # induction head reads it. Position p of X_C scores the length of the longest run of the
-    # question's last tokens that ends right before p (across chunk borders; capped at
-    # MATCH_MAX). Each tree expands the child holding the higher best score; a tie (as in text
-    # with no match, or with no question) goes right. A long match is rare by itself, so no word
-    # weights are needed.
+    # Step 1 with another similarity (ours). The paper compares the question's first-layer vector
+    # with each child's; on a pretrained model that vector reads mostly one token, and the search
+    # is then no better than chance (docs/experiments.md). This one is lexical and has no weights:
+    # where the question's last words stand in X_C, what follows them is what it asks for
+    # ("... The pass key is" -> the key), as an induction head reads it. Position p of X_C scores
+    # the length of the longest run of the question's last tokens that ends right before p
+    # (across chunk borders; at most MATCH_MAX). Each tree expands the child holding the higher
+    # best score; a tie (text with no match, or no question) goes right, as the paper's LM does.
     # rows: (R, C), R = B*n; idx: (B, T); query_len: (B,) on the host -> decide
     (R, C), B = rows.shape, idx.shape[0]
     n, q_len = R // B, query_len.to(idx.device)
@@ -958,25 +858,3 @@ def continuation_policy(rows, idx, query_len):
             return match.masked_fill(~inside, -1).amax(1)
         return (best(spans[:, 2], spans[:, 3]) >= best(spans[:, 0], spans[:, 1])).tolist()
     return decide
-
-
-def search_loss(model, context, idx, query_len, key_at):
-    # policy="attention" trained where the answer is known: the question's attention over the
-    # whole context (search_scores, a softmax per head) should fall on the answer's tokens
-    # (key_at: (B, n*C) bool), as a retriever is trained on passages that hold the answer. Without
-    # it the search follows whatever the first cross-attention layer reads, which on some seeds is
-    # not the key (docs/experiments.md). -> mean over rows and heads of -log(mass on the answer)
-    k0 = first_layer_kv(model.lower_model(), context.reshape(len(context), -1))[0]  # B,nC,Hkv,hd
-    logp = search_scores(model.upper, idx, query_len, k0).log_softmax(1)
-    mass = logp.masked_fill(~key_at[..., None], float("-inf")).logsumexp(1)  # (B, Hq)
-    return -mass.mean()
-
-
-def logn_scale(scfg, n, S):
-    # The cross-attention queries' scale. With logn_scale on and more chunks than max_chunk_dist
-    # (usually the trained n): log(keys) / log(keys at max_chunk_dist), sharpening the softmax so
-    # that the few keys that matter keep their weight against many more (attention entropy as
-    # trained: Chiang & Cholak 2022; Qwen's log-n scaling). Else 1.
-    if not scfg.logn_scale or n <= scfg.max_chunk_dist:
-        return 1.0
-    return math.log(n * S) / math.log(max(2, scfg.max_chunk_dist * S))

@@ -47,7 +47,7 @@ n_lower = 0                 # M (LLaMA-2 folder only: a checkpoint's M is fixed 
 chunk_size = 0              # C (LLaMA-2 folder only: a checkpoint's C is fixed by its training)
 height = 0                  # tree height h
 beta = 0                    # compression C / KVs per chunk
-policy = ""                 # "right" | "query" | "attention" | "query_mean" | "continuation" (beyond the paper)
+policy = ""                 # "continuation" (every recipe's) | "query" (the paper's vector) | "right" (retrieval off)
 device = "auto"             # "auto" = cuda, else cpu ("mps" only when named)
 dtype = "auto"              # "auto" = bfloat16 on CUDA where supported, else float32
 seed = 1337
@@ -100,7 +100,7 @@ def cross_attention_picture(model, memory, idx, path, key_chunk, mentions):
     weights = []
     for i, (x, cross) in sorted(inputs.items()):
         ca, q_rope = model.upper.layers[i].cross_attention, cross.q_rope
-        q = ca.queries(x[:1, -1:], None if q_rope is None else [t[:1, :, -1:] for t in q_rope], cross.scale)[0, :, 0]   # (Hq, hd)
+        q = ca.queries(x[:1, -1:], None if q_rope is None else [t[:1, :, -1:] for t in q_rope])[0, :, 0]   # (Hq, hd)
         k = cross.k[0].repeat_interleave(q.shape[0] // cross.k.shape[1], dim=0)                    # (Hq, n*S, hd)
         weights.append(((k.float() @ q.float()[:, :, None])[..., 0] / q.shape[-1] ** 0.5).softmax(-1))   # (Hq, n*S)
     key_nodes = mention_nodes(memory.nodes, model.scfg.chunk_size, S, mentions or [])

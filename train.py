@@ -50,15 +50,12 @@ n_lower = 3                 # M: lower-model layers = cross-attention layers
 chunk_size = 128            # C
 height = 3                  # tree height h
 beta = 8                    # compression: C / KVs kept per chunk
-policy = "attention"        # "right" | "query" (the paper's: the passkey question's vector steers each tree) |
-                            # "attention" (beyond the paper: the child the question's cross-attention query reads
-                            # most; docs/experiments.md measures it) | "query_mean" (SmolLM2's retrieval recipe) |
+policy = "continuation"     # the search, every recipe's (beyond the paper: toward what follows the question's last
+                            # words in X_C; no question goes right). Ablations: "query" (the paper's vector), "right"
                             # "continuation" (lexical: toward what follows the question's last words in X_C)
-search_loss = True          # policy "attention" only: in passkey batches, also train the question's attention over
-                            # X_C to land on the answer's tokens (model.search_loss; its loss is in the passkey loss)
 noise = 0.0                 # training split noise gamma: sigma = l / gamma, so larger = less noise; 0 = off (paper: 5, 10)
-chunk_ids = "random"        # chunk-level position ids: "plain" (paper) | "clamp" (plain up to max_chunk_dist, farther
-                            # chunks at that distance: extrapolates) | "random" (random ids in training) | "off"
+chunk_ids = "random"        # chunk-level position ids: "random" (every recipe's: random ids in training, plain at
+                            # inference) | "plain" (the paper's, in training too) | "off" (its ablation)
 train = "all"               # what trains: "all" | "cross" (cross-attention only: released code, LM) |
                             # "cross+top" (plus the top N-M layers: the paper's LM text) | "upper" (the whole upper model: SFT);
                             # the last two compress with a frozen copy of the bottom M layers (SharedConfig.lower="copy")
@@ -92,10 +89,7 @@ context_dropout = 0.25      # share of language-modeling batches trained without
 chunk_schedule = "1:700,2:1200"    # curriculum: 1 chunk until iter 700, 2 until 1200, then n_chunks ("" = off)
 beta_schedule = "1:300,2:450,4:600"   # compression curriculum: beta 1 until iter 300, 2 until 450, 4 until 600, then beta
 keep = "last"               # "last" | "first" token of each stride window
-max_chunk_dist = 0          # "clamp": the largest query-key chunk distance; 0 = n_chunks (the farthest training sees)
 max_chunk_id = 1024         # "random": ids drawn up to this in training = the longest context in distribution (chunks)
-logn_scale = False          # inference beyond n_chunks: scale cross-attention queries by log(keys) / log(keys in training)
-                            # (keeps passkey retrieval sharp over many more keys, costs language modeling there: README)
 activation_checkpointing = False
 light_ckpt = True           # from a pretrained folder: checkpoints hold only what trains, plus the base's path and
                             # sha256 (a 7B run saves megabytes, not 13.5 GB); from scratch they always hold everything
@@ -179,12 +173,11 @@ def main():
         n = scheduled(chunk_pairs, iter_num, n_chunks)
         raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # an inference-time setting: no new weights
         for micro in range(gradient_accumulation_steps):
-            # SharedLLM: a batch is X_C (n chunks), X_D with its targets, the question's length, and
-            # (search_loss) where the answer stands in X_C
-            kind, (ctx, idx, tgt, ql, key_at) = next_batch(rng, iter_num, tok, splits, n, dev)
+            # SharedLLM: a batch is X_C (n chunks), X_D with its targets, and the question's length
+            kind, (ctx, idx, tgt, ql) = next_batch(rng, iter_num, tok, splits, n, dev)
             sync = nullcontext() if not ddp or micro == gradient_accumulation_steps - 1 else model.no_sync()
             with sync, autocast:
-                _, loss = model(ctx, idx, tgt, ql, key_at)   # SharedLLM: compress X_C, then read X_D
+                _, loss = model(ctx, idx, tgt, ql)   # SharedLLM: compress X_C, then read X_D
             nonfinite |= ~torch.isfinite(loss.detach())   # on the device: read at the next log line or checkpoint
             loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
             loss_n[kind] = loss_n.get(kind, 0) + 1
@@ -235,9 +228,6 @@ def check_settings(dev, dev_type, dt):
     if dt == "float16" and dev_type != "cuda":
         raise SystemExit(f"--dtype=float16 on {dev}: float16 autocast is for CUDA GPUs without bfloat16 (it trains with a "
                          "gradient scaler there); use --dtype=float32 or --dtype=bfloat16")
-    if search_loss and policy != "attention":
-        raise SystemExit(f"--search_loss=True (the default) trains the search of --policy=attention; with "
-                         f"--policy={policy} add --search_loss=False")
     if not 0 <= ema_decay < 1:
         raise SystemExit(f"--ema_decay={ema_decay}: expected 0 (off) or a decay in (0, 1), like 0.998")
     if train == "cross" and context_dropout > 0 and task != "passkey":
@@ -256,8 +246,7 @@ def seed_streams(rank):
 def shared_config():
     # this run's model.SharedConfig settings, from the config block
     return dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy, keep=keep, noise=noise,
-                chunk_ids=chunk_ids, max_chunk_dist=max_chunk_dist or n_chunks, max_chunk_id=max_chunk_id,
-                logn_scale=logn_scale, lower="shared" if train in ("all", "cross") else "copy")
+                chunk_ids=chunk_ids, max_chunk_id=max_chunk_id, lower="shared" if train in ("all", "cross") else "copy")
 
 # -----------------------------------------------------------------------------
 # the model
@@ -320,7 +309,7 @@ def resume_model(dt):
         raise SystemExit(f"init_from=resume: {path} was trained with " + ", ".join(
             f"{k}={was[k]!r}" for k in differ) + " but this run sets " + ", ".join(
             f"{k}={now[k]!r}" for k in differ) + "; resume with its settings (or its config file). To read a "
-            "checkpoint with other inference settings, use eval.py (--chunk_ids, --logn_scale, --beta, ...)")
+            "checkpoint with other inference settings, use eval.py (--chunk_ids, --policy, --beta, ...)")
     return ckpt, raw
 
 
@@ -406,25 +395,16 @@ def load_data(tok, ddp, master):
 
 
 def next_batch(rng, iter_num, tok, splits, n, dev):
-    # one training batch of one kind: -> kind, (context (B, n, C) or None, idx (B, T), targets (B, T), query lengths,
-    # key_at: where the answer stands in X_C, (B, n*C) bool, for the search loss, else None)
+    # one training batch of one kind: -> kind, (context (B, n, C) or None, idx (B, T), targets (B, T), query lengths)
     kind = task
     if task == "mixed":
         kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"   # one kind per batch
     T = block_size if kind == "lm" or pad_passkeys else None
     ctx, idx, tgt, ql = data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size, T)
-    key_at = None
-    if kind == "passkey" and search_loss and policy == "attention":   # where the answer stands in X_C
-        key_at = torch.zeros(ctx.shape[0], ctx[0].numel(), dtype=torch.bool)
-        for i, mentions in enumerate(data.batch_mentions(ctx, tgt)):
-            for a, b in mentions:
-                key_at[i, a:b] = True
-        assert key_at.any(1).all(), "a passkey haystack without its key"
-        key_at = key_at.to(dev)
     ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)   # query lengths stay on the host: the tree reads them
     if kind == "lm" and context_dropout > 0 and rng.random() < context_dropout:
         ctx = None
-    return kind, (ctx, idx, tgt, ql, key_at)
+    return kind, (ctx, idx, tgt, ql)
 
 
 def parse_schedule(name, spec):   # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)]

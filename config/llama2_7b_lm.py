@@ -6,8 +6,6 @@
 init_from = "Llama-2-7b-hf"  # an HF-layout LLaMA-2 folder: give yours with --init_from=
 task = "lm"
 data_dir = ""                # a folder of long .txt documents (the paper: RedPajama, 8K-token sequences); "" = stdlib .py
-policy = "right"             # language modeling has no query: always expand the most recent half
-search_loss = False          # the default's search loss trains policy "attention" only
 n_lower = 4                  # M = 4
 chunk_size = 1024            # C
 n_chunks = 4                 # X_C = 4 x 1024 tokens ...
@@ -16,7 +14,6 @@ chunk_schedule = ""          # no toy curricula
 beta_schedule = ""
 height = 3
 beta = 8
-chunk_ids = "clamp"          # as measured (the tiny default trains with random ids since the 10-minute recipe)
 noise = 5.0                  # split noise sigma = l / 5 (Table 6)
 train = "cross"
 context_dropout = 0.0        # the frozen upper model already works without X_C
@@ -28,7 +25,6 @@ warmup_iters = 20            # about 1% of the run (Table 6)
 beta2 = 0.999
 max_iters = 2000             # 2000 x 16 x 8K = 262M tokens (the paper: one epoch over 20B)
 ema_decay = 0.0              # the paper's recipe: no weight averaging
-logn_scale = True            # beyond the trained chunks: log-n query scaling, as before the tiny default dropped it
 eval_interval = 250
 eval_iters = 4
 eval_chunks = "4"

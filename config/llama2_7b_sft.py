@@ -12,8 +12,6 @@ passkey_frac = 0.5
 lm_from = 0
 context_dropout = 0.0        # the frozen upper model already works without X_C
 data_dir = ""                # a folder of long .txt documents; "" = the standard library's .py files
-policy = "query"             # the question steers each context tree (paper Eq. "sim")
-search_loss = False          # the default's search loss trains policy "attention" only
 n_lower = 16                 # M = 16
 chunk_size = 512             # C
 n_chunks = 8                 # X_C = 8 x 512 = 4K tokens ...
@@ -23,7 +21,6 @@ beta_schedule = ""
 height = 3
 beta = 8
 noise = 10.0                 # sigma = l / 10 (Table 6)
-chunk_ids = "clamp"
 train = "cross"
 batch_size = 1
 gradient_accumulation_steps = 8
@@ -33,7 +30,6 @@ warmup_iters = 2             # about 0.1% of the run (Table 6)
 beta2 = 0.999
 max_iters = 2000
 ema_decay = 0.0              # the paper's recipe: no weight averaging (and 27 GB less for the upper model's average)
-logn_scale = True            # beyond the trained chunks: log-n query scaling, as before the tiny default dropped it
 eval_interval = 250
 eval_iters = 4
 eval_chunks = "8"

@@ -11,8 +11,6 @@ out_dir = "out-smollm2"
 task = "lm"
 train = "cross"              # 8.0M trainable parameters; the 134.5M of SmolLM2 stay frozen
 context_dropout = 0.0        # the frozen model already reads X_D alone
-policy = "right"
-search_loss = False          # the default's search loss trains policy "attention" only
 n_lower = 12                 # M: 12 of its 30 layers compress, and 12 cross-attend (M = 4 read 0.83, M = 8 0.79-0.81)
 chunk_size = 256             # C
 n_chunks = 4                 # X_C = 4 x 256 tokens in training ...
@@ -21,7 +19,6 @@ chunk_schedule = ""
 beta_schedule = ""
 height = 3
 beta = 4                     # 64 KVs per chunk of 256 (beta 8 read 0.828 where 4 read 0.817 at M = 4)
-chunk_ids = "clamp"          # as measured (the tiny default trains with random ids since the 10-minute recipe)
 noise = 0.0
 batch_size = 1
 learning_rate = 1e-3
@@ -29,7 +26,6 @@ min_lr = 1e-4
 warmup_iters = 20
 max_iters = 300
 ema_decay = 0.0              # the raw weights: 300 steps is shorter than the average's memory
-logn_scale = True            # log-n query scaling beyond the trained chunks, as the README's numbers were measured
 eval_interval = 300          # one evaluation, at the end
 eval_iters = 8               # windows per chunk count
 eval_chunks = "4,16,64"      # 1K, 4K, 16K context tokens: 16K is twice SmolLM2's 8K window

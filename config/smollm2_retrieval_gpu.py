@@ -15,8 +15,6 @@ passkey_frac = 0.8
 pad_passkeys = False         # a passkey batch is as long as its question and key
 train = "cross"              # only the cross-attention trains: the base model stays as it was
 context_dropout = 0.0
-policy = "query_mean"        # the question steers every context tree toward the key, by mean token embeddings
-search_loss = False          # the default's search loss trains policy "attention" only
 n_lower = 12                 # M
 chunk_size = 512             # C
 n_chunks = 4                 # 2K context tokens in training
@@ -25,8 +23,6 @@ chunk_schedule = "1:540,2:780"   # 1 chunk until iteration 540, 2 until 780, the
 beta_schedule = "1:270,2:420"    # all KVs until 270, half until 420, then beta = 4
 height = 4
 beta = 4                     # 128 KVs per chunk of 512: 25-26 in each of the 5 preserved nodes
-chunk_ids = "random"
-logn_scale = True
 noise = 0.0
 batch_size = 16
 learning_rate = 1e-3

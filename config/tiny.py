@@ -16,13 +16,7 @@ block_size = 64              # T: X_D
 height = 3
 beta = 8
 beta_schedule = "1:300,2:450,4:600"   # no compression for 300 iterations (retrieval is found early), then 2, 4, 8
-policy = "attention"         # the question's cross-attention query steers each tree: the key in a
-                             # leaf 88.1% of the time, never in the coarse node alone (the paper's
-                             # vector, on the M = 2 model trained with it: 1.2%); text batches go right
-search_loss = True           # and trains that query to land on the answer's tokens
 noise = 0.0
-chunk_ids = "random"         # training: sorted random chunk ids up to 1024 (keys at every distance); plain at inference
-logn_scale = False           # no query sharpening beyond 4 chunks (it costs language modeling there: README)
 train = "all"
 batch_size = 16
 learning_rate = 3e-3

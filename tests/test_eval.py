@@ -27,8 +27,7 @@ def micro_ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("micro")
     with pytest.MonkeyPatch.context() as mp:   # in this process (a subprocess would cost a torch import)
         mp.chdir(d)
-        train_in_process(MICRO + ["--max_iters=2", "--eval_interval=2", f"--out_dir={d}", "--policy=query",
-                                  "--search_loss=False"], d)
+        train_in_process(MICRO + ["--max_iters=2", "--eval_interval=2", f"--out_dir={d}", "--policy=query"], d)
     ck = torch.load(d / "ckpt.pt", weights_only=True)
     g = torch.Generator().manual_seed(0)
     for k, v in ck["model"].items():
@@ -238,7 +237,7 @@ def test_sample_and_eval_subprocesses(micro_ckpt, tmp_path, monkeypatch, capsys)
     run_eval(common + ["--task=ablations", "--chunks=2", "--depths=0.5", "--samples=2", "--max_windows=2",
                        f"--compare=again={micro_ckpt}"])
     out = capsys.readouterr().out
-    for row in ("height 2", "beta 16", "retrieval off", "chunk ids off", "log-n scaling on", "first of window", "again"):
+    for row in ("height 2", "beta 16", "retrieval off", "chunk ids off", "the paper's search", "first of window", "again"):
         assert row in out
 
 
@@ -272,7 +271,7 @@ def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path, monkeypatch):
     for args, msg in [(["--task=ppx"], "--task=ppx: expected ppl, passkey or ablations"),
                       (["--chunks=1000", f"--data_dir={micro_ckpt / 'docs'}"], "no validation document has"),
                       (["--chunks=0"], "--chunks=0: expected positive integers"),
-                      (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected plain, clamp, random or off"),
+                      (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected plain, random or off"),
                       (["--task=ablations", "--compare=nolabel"], "expected label=out_dir")]:
         assert msg in error_of(E, ck + args, tmp_path, monkeypatch)
     bad = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
@@ -335,24 +334,29 @@ def test_show_tree_of_a_long_context_shows_a_few_chunks(micro_ckpt, capsys):
     assert "not shown" in out
 
 
-def test_clamp_at_inference_uses_the_trained_distance(micro_ckpt, tmp_path, monkeypatch, capsys):
-    # a checkpoint trained with plain ids, read with --chunk_ids=clamp: clamped at the n_chunks it was trained on
+def test_a_checkpoint_with_a_retired_setting_is_named_and_read_with_todays(micro_ckpt, tmp_path, monkeypatch, capsys):
+    # settings that left with the one method (checkpoint.RETIRED): the error names the setting and the way to read it
     ck = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
-    ck["model_args"]["shared"]["chunk_ids"] = ck["config"]["chunk_ids"] = "plain"
-    ck["config"]["n_chunks"] = 3
-    del ck["model_args"]["shared"]["max_chunk_dist"]     # as written before the field existed: the default, 4
-    os.makedirs(tmp_path / "plain")
-    torch.save(ck, tmp_path / "plain" / "ckpt.pt")
-    monkeypatch.chdir(tmp_path)
     base = ["--task=passkey", "--chunks=3", "--samples=2", "--depths=0", "--device=cpu"]
-    for args, want in [([], "chunk_ids='plain', lower='shared', max_chunk_dist=4"), (["--chunk_ids=clamp"], "chunk_ids='clamp', lower='shared', max_chunk_dist=3"),
-                       (["--chunk_ids=clamp", "--max_chunk_dist=7"], "chunk_ids='clamp', lower='shared', max_chunk_dist=7")]:
+    for setting, value, fix in [("policy", "attention", "--policy=continuation"), ("policy", "query_mean", "--policy=query"),
+                                ("chunk_ids", "clamp", "--chunk_ids=plain")]:
+        old = {**ck, "model_args": {**ck["model_args"], "shared": {**ck["model_args"]["shared"], setting: value,
+                                                                   "max_chunk_dist": 4}}}
+        os.makedirs(tmp_path / value)
+        torch.save(old, tmp_path / value / "ckpt.pt")
+        msg = error_of(E, [f"--init_from={tmp_path / value}"] + base, tmp_path, monkeypatch)
+        assert f"trained with {setting}={value!r}, which this version no longer has" in msg and "84a7b60" in msg
         cfg = config_of(vars(E))
-        parse_overrides([f"--init_from={tmp_path / 'plain'}"] + base + args, cfg, E.__file__)
-        E.main(cfg)
-        assert want in capsys.readouterr().out, args
-    assert "max_chunk_dist = -1; expected at least 1" in error_of(
-        E, [f"--init_from={micro_ckpt}", "--chunk_ids=clamp", "--max_chunk_dist=-1"], tmp_path, monkeypatch)
+        parse_overrides([f"--init_from={tmp_path / value}", fix] + base, cfg, E.__file__)
+        E.main(cfg)                                                    # read with today's setting: it runs
+        assert f"{fix[2:].replace('=', '=' + chr(39))}'" in capsys.readouterr().out
+    old = {**ck, "model_args": {**ck["model_args"], "shared": {**ck["model_args"]["shared"], "logn_scale": True}}}
+    os.makedirs(tmp_path / "logn")
+    torch.save(old, tmp_path / "logn" / "ckpt.pt")
+    cfg = config_of(vars(E))
+    parse_overrides([f"--init_from={tmp_path / 'logn'}"] + base, cfg, E.__file__)
+    E.main(cfg)
+    assert "read without it" in capsys.readouterr().out
 
 
 def test_full_attention_of_a_model_trained_from_scratch_says_what_it_is(micro_ckpt, capsys, tmp_path, monkeypatch):

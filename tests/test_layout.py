@@ -130,3 +130,19 @@ def test_the_readme_example_and_sharedconfig_defaults_are_the_default_recipe():
     assert set(given) == {"n_lower", "chunk_size"}                          # sizes only: the model's, not the method's
     example, recipe = asdict(M.SharedConfig(**given)), train.shared_config()
     assert {k: v for k, v in example.items() if k not in given} == {k: v for k, v in recipe.items() if k not in given}
+
+
+def test_every_recipe_runs_the_one_method():
+    # every config/*.py, train.py's defaults, SharedConfig's defaults and eval.py / sample.py reading a LLaMA folder:
+    # one search and one chunk-id form (a recipe changes sizes, never the mechanism)
+    import model as M
+    one = {k: getattr(M.SharedConfig(), k) for k in ("policy", "chunk_ids")}
+    assert one == {"policy": "continuation", "chunk_ids": "random"}
+    for f in sorted(glob.glob(os.path.join(ROOT, "config", "*.py"))):
+        cfg = parse_overrides([f], dict(train.config), train.__file__)
+        assert {k: cfg[k] for k in one} == one, f
+    assert {k: train.config[k] for k in one} == one
+    with pytest.raises(ValueError, match="SharedConfig.policy = 'attention'"):    # the retired searches are gone
+        M.SharedConfig(policy="attention")
+    with pytest.raises(ValueError, match="SharedConfig.chunk_ids = 'clamp'"):
+        M.SharedConfig(chunk_ids="clamp")

@@ -78,42 +78,6 @@ def walk(nodes, C=64):   # the expanded child at each level 1..h-1, read back fr
     return out
 
 
-def test_attention_policy_is_the_share_of_the_questions_attention():
-    # policy="attention": each tree expands the child that receives the larger share of the question's first
-    # cross-attention query's softmax over both children's first-layer keys (content only), averaged over heads
-    s = build("attention")
-    g = torch.Generator().manual_seed(1)
-    ctx, idx = torch.randint(0, 258, (2, 3, 64), generator=g), torch.randint(0, 258, (2, 20), generator=g)
-    ql = torch.tensor([12, 20])
-    low, up = s.upper, s.upper
-    blk, hd = up.layers[0], up.cfg.head_dim   # the first cross-attention layer
-    with torch.no_grad():
-        nodes = s.compress(ctx, idx, ql).nodes
-        rights = 0
-        for r, nds in enumerate(nodes):
-            b, row, (lo, hi) = r // 3, ctx[r // 3, r % 3], (0, 64)
-            # the question's query, the plain way: the first layer's self-attention, then its cross_norm and
-            # wq at the last question token
-            x = up.tok_embeddings(idx[b:b + 1, :ql[b]])
-            x = x + blk.attention(blk.attention_norm(x), up.rope(torch.arange(ql[b])))
-            q = blk.cross_attention.wq(blk.cross_norm(x[0, -1])).view(-1, hd)                 # (Hq, hd)
-            a0 = low.layers[0].attention
-            k = a0.wk(low.layers[0].attention_norm(low.tok_embeddings(row))).view(64, -1, hd)  # (C, Hkv, hd)
-            k = k.repeat_interleave(q.shape[0] // k.shape[1], dim=1)                          # (C, Hq, hd)
-            expect = []
-            for level in (1, 2):
-                mid = lo + (hi - lo) // 2
-                att = torch.einsum("hd,chd->hc", q, k[lo:hi]).div(math.sqrt(hd)).softmax(-1)  # (Hq, hi-lo)
-                right = att[:, mid - lo:].sum(-1).mean() > 0.5
-                expect.append(bool(right))
-                lo, hi = (mid, hi) if right else (lo, mid)
-            assert walk(nds) == expect, (r, walk(nds), expect)
-            rights += sum(expect)
-        assert 0 < rights < 12                                # both ways taken: the test can tell them apart
-        none = s.compress(ctx, idx, torch.tensor([0, 20])).nodes   # a row without a query goes right
-        assert all(walk(nds) == [True, True] for nds in none[:3]) and none[3:] == nodes[3:]
-
-
 @pytest.mark.parametrize("lower", ["shared", "copy"])
 def test_query_policy_equals_the_reference_vector(lower):
     # the paper's search (policy="query"): the fast batched vectors choose as the obvious ones do, child by child;
@@ -141,54 +105,3 @@ def test_query_policy_equals_the_reference_vector(lower):
             assert walk(nds) == expect, (r, walk(nds), expect)
             rights += sum(expect)
     assert 0 < rights < 12                                    # both ways taken: the test can tell them apart
-
-
-def test_search_loss_is_the_questions_attention_on_the_answer():
-    # model.search_loss: per head, -log of the softmax mass (over every context token) that the question's
-    # cross-attention query puts on the answer's tokens, by content alone; averaged over rows and heads. Its
-    # gradient trains the search's query (the first cross-attention layer) and the first lower layer's keys.
-    s = build("attention")
-    s.train()
-    g = torch.Generator().manual_seed(3)
-    ctx, idx = torch.randint(0, 258, (2, 3, 64), generator=g), torch.randint(0, 258, (2, 20), generator=g)
-    ql = torch.tensor([12, 20])
-    key_at = torch.zeros(2, 192, dtype=torch.bool)
-    key_at[0, 70:75], key_at[1, 5:10], key_at[1, 150:155] = True, True, True
-    loss = M.search_loss(s, ctx, idx, ql, key_at)
-    up, hd = s.upper, s.upper.cfg.head_dim
-    blk, a0 = up.layers[0], up.layers[0].attention
-    expect = []
-    with torch.no_grad():
-        for b in range(2):
-            x = up.tok_embeddings(idx[b:b + 1, :ql[b]])
-            x = x + blk.attention(blk.attention_norm(x), up.rope(torch.arange(ql[b])))
-            q = blk.cross_attention.wq(blk.cross_norm(x[0, -1])).view(-1, hd)                    # (Hq, hd)
-            k = a0.wk(blk.attention_norm(up.tok_embeddings(ctx[b].flatten()))).view(192, -1, hd)
-            k = k.repeat_interleave(q.shape[0] // k.shape[1], dim=1)                             # (192, Hq, hd)
-            p = torch.einsum("hd,chd->hc", q, k).div(math.sqrt(hd)).softmax(-1)                  # (Hq, 192)
-            expect += (-p[:, key_at[b]].sum(-1).log()).tolist()
-    assert abs(loss.item() - sum(expect) / len(expect)) < 1e-5
-    loss.backward()
-    assert blk.cross_attention.wq.weight.grad.abs().sum() > 0 and a0.wk.weight.grad.abs().sum() > 0   # query, keys
-    assert up.layers[1].cross_attention.wq.weight.grad is None         # the search reads the first layer only
-    tgt = torch.randint(0, 258, (2, 20), generator=g)
-    with torch.no_grad():
-        assert s(ctx, idx, None, ql)[1] is None                         # no targets, no key_at: no loss at all
-        alone = s(ctx, idx, None, ql, key_at)[1]
-        both, text = s(ctx, idx, tgt, ql, key_at)[1], s(ctx, idx, tgt, ql)[1]
-    assert abs(alone.item() - loss.item()) < 1e-6 and abs(both.item() - (text + loss).item()) < 1e-5
-
-
-def test_train_marks_where_the_answer_stands(monkeypatch):
-    # train.py's passkey batches carry key_at (the answer's tokens in X_C) only when the search is trained
-    import random
-    import train
-    tok = data_tok()
-    for name, value in dict(task="passkey", batch_size=3, chunk_size=64, pad_passkeys=False, policy="attention",
-                            search_loss=True).items():
-        monkeypatch.setattr(train, name, value)
-    kind, (ctx, idx, tgt, ql, key_at) = train.next_batch(random.Random(0), 0, tok, None, 2, "cpu")
-    assert kind == "passkey" and key_at.shape == (3, 128) and key_at.sum(1).tolist() == [10, 10, 10]   # 2 x 5 digits
-    assert all(tok.decode(row[m].tolist()).isdigit() for row, m in zip(ctx.flatten(1), key_at))
-    monkeypatch.setattr(train, "search_loss", False)
-    assert train.next_batch(random.Random(0), 0, tok, None, 2, "cpu")[1][4] is None

@@ -17,7 +17,7 @@ def build(seed=0, wo_scale=0.0, **kw):
     torch.manual_seed(seed)
     base = M.Llama(M.preset("micro", n_layers=3)).eval()
     ref = copy.deepcopy(base)
-    cfg = dict(n_lower=2, chunk_size=64, height=3, beta=4, policy="right", noise=5.0, chunk_ids="plain", logn_scale=True)
+    cfg = dict(n_lower=2, chunk_size=64, height=3, beta=4, policy="right", noise=5.0, chunk_ids="plain")
     s = M.SharedLLM.from_llama(base, **{**cfg, **kw}).eval()
     if wo_scale:   # a trained-looking cross-attention, so the context actually changes the output
         for blk in s.upper.layers:
@@ -32,7 +32,7 @@ def data(B=2, n=3, T=20, C=64, seed=1):
 
 
 @pytest.mark.parametrize("lower", ["shared", "copy"])
-@pytest.mark.parametrize("policy", ["right", "query", "attention"])
+@pytest.mark.parametrize("policy", ["right", "query", "continuation"])
 def test_untrained_sharedllm_equals_base_llama(lower, policy):
     s, ref = build(lower=lower, policy=policy)
     ctx, idx = data()
@@ -87,24 +87,6 @@ def test_chunk_ids_make_order_visible():
         assert (err > 1e-3) if should_change else (err < 1e-5), (chunk_ids, err)
 
 
-def test_clamped_chunk_ids_are_plain_up_to_the_trained_distance_and_merge_older_chunks():
-    plain, _ = build(wo_scale=0.5, chunk_ids="plain")
-    clamp, _ = build(wo_scale=0.5, chunk_ids="clamp", max_chunk_dist=3)
-    ctx, idx = data(n=3)
-    with torch.no_grad():
-        assert torch.equal(plain(ctx, idx)[0], clamp(ctx, idx)[0])      # n <= max_chunk_dist: exactly the paper's ids
-    k, q = M.chunk_positions(clamp.scfg, 2, 7, "cpu", training=False)
-    assert k[0].tolist() == [4, 4, 4, 4, 4, 5, 6] and q.tolist() == [7, 7]   # distances 3,3,3,3,3,2,1: never above 3
-    ctx, idx = data(n=7)
-    with torch.no_grad():
-        ref = clamp(ctx, idx)[0]
-        old = clamp(ctx[:, [4, 1, 0, 3, 2, 5, 6]], idx)[0]             # reorder chunks older than the nearest 3
-        new = clamp(ctx[:, [0, 1, 2, 3, 5, 4, 6]], idx)[0]             # swap two of the nearest 3
-    assert rel_err(ref, old) < 1e-5 and rel_err(ref, new) > 1e-3, (rel_err(ref, old), rel_err(ref, new))
-    with pytest.raises(ValueError, match="max_chunk_dist = 0; expected at least 1"):
-        build(chunk_ids="clamp", max_chunk_dist=0)
-
-
 def test_random_chunk_ids_are_plain_at_inference_and_keep_order_in_training():
     ctx, idx = data(B=3, n=4)
     plain, _ = build(wo_scale=0.5, chunk_ids="plain")
@@ -137,23 +119,6 @@ def decode_stepwise(s, idx, mem, prefill):
     for t in range(prefill, idx.shape[1]):
         steps.append(s.upper(idx[:, t:t + 1], start_pos=t, caches=caches, memory=mem)[0])
     return torch.cat(steps, 1)
-
-
-def test_logn_scaling_is_one_within_the_trained_length_and_exact_in_decoding():
-    # beyond max_chunk_dist chunks the cross-attention queries are scaled by log(keys) / log(trained keys); within it
-    # nothing changes, and the scale is the same in prefill and in cached decoding
-    on, _ = build(wo_scale=0.5, chunk_ids="clamp", max_chunk_dist=3)
-    off, _ = build(wo_scale=0.5, chunk_ids="clamp", max_chunk_dist=3, logn_scale=False)
-    ctx, idx = data(n=3)
-    with torch.no_grad():
-        assert on.compress(ctx, idx).q_scale == 1.0 and torch.equal(on(ctx, idx)[0], off(ctx, idx)[0])
-        ctx, idx = data(n=12, T=16)
-        mem = on.compress(ctx, idx[:, :9])
-        S = sum(nd.kept for nd in mem.nodes[0])                          # 16 KVs per chunk
-        assert S == 16 and mem.q_scale == pytest.approx(math.log(12 * 16) / math.log(3 * 16))
-        assert rel_err(on(ctx, idx)[0], off(ctx, idx)[0]) > 1e-3         # it does change long contexts
-        full, _ = on.upper(idx, memory=mem)
-        assert rel_err(full, decode_stepwise(on, idx, mem, 9)) < 1e-5
 
 
 @pytest.mark.parametrize("policy", ["right", "query"])
@@ -311,7 +276,7 @@ def test_retrieval_vec_is_the_first_layer_at_the_last_position():
                 assert (h[r, j] - alone).abs().max() < 1e-5, (r, j)
 
 
-@pytest.mark.parametrize("policy", ["right", "query", "attention"])
+@pytest.mark.parametrize("policy", ["right", "query", "continuation"])
 def test_compressed_kv_and_gradients_equal_encoding_each_node_alone(policy):
     # The query policy's search computes the first layer's K/V of the spans it compares and the encoding reuses
     # them (a left child is a prefix of its parent): values and gradients must equal each node encoded on its own.
@@ -355,7 +320,7 @@ def test_encoding_in_small_calls_changes_nothing(policy, monkeypatch):
         assert rel_err(K1, K2) < 1e-6 and rel_err(V1, V2) < 1e-6
 
 
-@pytest.mark.parametrize("policy,kw", [("query", dict(noise=5.0)), ("attention", dict(noise=5.0)),
+@pytest.mark.parametrize("policy,kw", [("query", dict(noise=5.0)), ("continuation", dict(noise=5.0)),
                                        ("right", dict(noise=5.0)),
                                        ("query", dict(n_lower=1, beta=1, keep="first"))])
 def test_reference_encoding_equals_the_batched_one(policy, kw, monkeypatch):
@@ -384,40 +349,8 @@ def test_reference_encoding_equals_the_batched_one(policy, kw, monkeypatch):
         assert g1[n] is not None and g1[n].abs().sum() > 0 and rel_err(g1[n], g2[n]) < 1e-5, (n, rel_err(g1[n], g2[n]))
 
 
-def test_query_mean_policy_is_the_cosine_of_mean_embeddings_per_tree():
-    # policy="query_mean" (beyond the paper): every tree expands the child whose mean token embedding is closer (cosine)
-    # to the mean embedding of ITS OWN sample's query; a row with no query goes right. Checked against the plain
-    # definition, one span at a time; and a chunk holding the query's own tokens is searched toward them.
-    s, _ = build(policy="query_mean", height=3, noise=0.0)
-    ctx, idx = data(B=2, n=3)
-    ctx[1, 2, 40:56] = idx[1, :16]                          # sample 1, chunk 2: the query's 16 tokens at 40..55
-    ctx[1, 0, 4:20] = idx[1, :16]                           # ... and chunk 0: at 4..19, in the left half
-    ql = torch.tensor([12, 16])
-    emb = s.upper.tok_embeddings.weight.detach()
-    mean = lambda t: emb[t].mean(0)
-    with torch.no_grad():
-        nodes = s.compress(ctx, idx, ql).nodes
-        for r, nds in enumerate(nodes):                     # walk each tree down by hand, from the root
-            b, (lo, hi) = r // 3, (0, 64)
-            q = mean(idx[b, :ql[b]])
-            for level in (1, 2):
-                mid = lo + (hi - lo) // 2
-                row = ctx[b, r % 3]
-                right = torch.cosine_similarity(q, mean(row[mid:hi]), 0) > torch.cosine_similarity(q, mean(row[lo:mid]), 0)
-                kept = [(nd.start, nd.end) for nd in nds if nd.level == level][0]
-                assert kept == ((lo, mid) if right else (mid, hi)), (r, level)
-                lo, hi = (mid, hi) if right else (lo, mid)
-        assert [(nd.start, nd.end) for nd in nodes[5] if nd.level == 1] == [(0, 32)]   # expanded toward 40..55
-        assert [(nd.start, nd.end) for nd in nodes[3] if nd.level == 1] == [(32, 64)]  # ... and toward 4..19
-        none = s.compress(ctx, idx, torch.tensor([0, 0])).nodes
-        mixed = s.compress(ctx, idx, torch.tensor([0, 16])).nodes   # one row without a query, one with
-        s.scfg.policy = "right"
-        right = s.compress(ctx, idx).nodes
-        assert none == right and mixed[:3] == right[:3] and mixed[3:] == nodes[3:]
-
-
 def test_continuation_policy_expands_toward_what_follows_the_questions_last_words():
-    # policy="continuation" (beyond the paper): every context position scores the length of the longest run of the
+    # policy="continuation" (every recipe's search, beyond the paper): every context position scores the length of the longest run of the
     # question's last tokens (at most MATCH_MAX, at most the question) that ends right before it, across chunk borders;
     # each tree expands the child with the higher best score, a tie goes right; a row with no question goes right.
     # Checked against that definition in plain Python, one tree at a time, and on planted runs.

@@ -74,8 +74,8 @@ def test_config_errors(tmp_path, capsys):
                       (["--noise=-1"], "--noise=-1.0: expected a value in [0, inf]"),
                       (["--n_chunks=0"], "--n_chunks=0: expected a value in [1, inf]"),
                       (["--task=qa"], "--task=qa: expected lm, passkey or mixed"),
-                      (["--policy=right"], "--search_loss=True (the default) trains the search of "
-                                           "--policy=attention; with --policy=right add --search_loss=False"),
+                      (["--policy=attention"], "SharedConfig.policy = 'attention'; expected one of ('continuation', "
+                                               "'query', 'right')"),
                       (["--preset=huge"], "--preset=huge: expected one of"),
                       (["--tokenizer=nonexistent.model"], "--tokenizer=nonexistent.model: nonexistent.model: no tokenizer"),
                       (["--init_from=/nonexistent"], "--init_from=/nonexistent: no such file or folder"),
@@ -83,7 +83,7 @@ def test_config_errors(tmp_path, capsys):
                       (["--beta=0"], "SharedConfig.beta = 0; expected at least 1"),
                       (["--height=0"], "SharedConfig.height = 0; expected at least 1"),
                       (["--device=gpu"], "--device=gpu: expected auto, cpu, cuda, cuda:N or mps"),
-                      (["--chunk_ids=maybe"], "SharedConfig.chunk_ids = 'maybe'; expected one of ('plain', 'clamp', 'random', 'off')")]:
+                      (["--chunk_ids=maybe"], "SharedConfig.chunk_ids = 'maybe'; expected one of ('random', 'plain', 'off')")]:
         cfg = parse_overrides(MICRO + args + [f"--out_dir={tmp_path / 'out'}"], dict(train.config), train.__file__)
         with pytest.MonkeyPatch.context() as mp:
             for k, v in cfg.items():
@@ -188,9 +188,9 @@ def test_resume_equals_uninterrupted_run(tmp_path, capsys):
     train_in_process(common + [f"--out_dir={part}", "--stop_iter=3"], tmp_path)
     assert torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)["iter_num"] == 3
     # a SharedLLM setting other than the checkpoint's is refused, not silently replaced by the checkpoint's
-    with pytest.raises(SystemExit, match=re.escape("was trained with chunk_ids='random', logn_scale=False but this run "
-                                                   "sets chunk_ids='off', logn_scale=True")):
-        train_in_process(common + [f"--out_dir={part}", "--init_from=resume", "--chunk_ids=off", "--logn_scale=True"],
+    with pytest.raises(SystemExit, match=re.escape("was trained with policy='continuation', chunk_ids='random' but this "
+                                                   "run sets policy='query', chunk_ids='off'")):
+        train_in_process(common + [f"--out_dir={part}", "--init_from=resume", "--chunk_ids=off", "--policy=query"],
                          tmp_path)
     train_in_process(common + [f"--out_dir={part}", "--init_from=resume"], tmp_path)
     a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=True)
@@ -475,22 +475,21 @@ def test_final_eval_reads_more_haystacks_and_more_text_windows(tmp_path):
 
 def test_the_smollm2_retrieval_recipe_trains_only_the_cross_attention(tmp_path, capsys, monkeypatch):
     # config/smollm2_retrieval_cpu.py on a random tiny checkpoint (its sizes scaled down): passkey batches, then text
-    # batches, the mean-embedding search; the base model's every weight stays as it was, the cross-attention moves
+    # batches, the one search; the base model's every weight stays as it was, the cross-attention moves
     from checkpoint import load_sharedllm
     from load_llama import load_llama
     import model
     ck, docs = tiny_llama_and_docs(tmp_path)
-    searched = []   # the mean-embedding search, counted only in training steps (evaluations put the model in eval mode)
-    policy = model.mean_embedding_policy
-    monkeypatch.setattr(model, "mean_embedding_policy",
-                        lambda llama, *a: searched.append(llama.training) or policy(llama, *a))
+    searched = []   # the search, counted in training steps and evaluations alike (it has no weights, no mode)
+    policy = model.continuation_policy
+    monkeypatch.setattr(model, "continuation_policy", lambda *a: searched.append(1) or policy(*a))
     train_in_process([os.path.join(ROOT, "config", "smollm2_retrieval_cpu.py"), f"--init_from={ck}",
                       f"--data_dir={docs}", "--n_lower=1", "--chunk_size=64", "--chunk_schedule=1:2",
                       "--beta_schedule=1:1", "--block_size=32", "--batch_size=2", "--max_iters=6", "--lm_from=3",
                       "--passkey_frac=0.5", "--eval_interval=6", "--eval_iters=1", "--eval_chunks=2",
                       "--final_eval_chunks=", "--final_eval_iters=0", "--log_interval=1", "--device=cpu",
                       f"--out_dir={tmp_path / 'out'}"], tmp_path)
-    assert "policy='query_mean'" in capsys.readouterr().out and any(searched)        # a training step searched
+    assert "policy='continuation'" in capsys.readouterr().out and searched           # the one search ran
     kinds = {k for line in open(tmp_path / "out" / "log.jsonl") for k in json.loads(line).get("loss", {})}
     assert kinds == {"passkey", "lm"}                                                # both kinds of batch trained
     trained, base = load_sharedllm(str(tmp_path / "out"))[0].state_dict(), load_llama(str(ck)).state_dict()
