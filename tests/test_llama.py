@@ -148,6 +148,21 @@ def test_attention_backends_agree(case):
         assert rel_err(M.attention(q[:, :, :1], k[:, :, :8], v[:, :, :8], False, backend="manual"), b[:, :, :1]) < 1e-5
 
 
+def test_a_masked_query_reads_exactly_its_allowed_keys():
+    # attention(mask=) (lower_kv: a kept token's query reads the keys up to its own position): the same as the plain
+    # softmax over those keys alone, with SDPA and the manual path, GQA included
+    q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
+    upto = torch.tensor([[1, 5, 9], [0, 4, 7]])                                 # each query's own position
+    mask = (upto[:, None, :, None] >= torch.arange(10))                         # (2, 1, 3, 10)
+    for backend in ("sdpa", "manual"):
+        y = M.attention(q, k, v, False, backend=backend, mask=mask)
+        for b in range(2):
+            for j in range(3):
+                e = upto[b, j] + 1
+                alone = M.attention(q[b:b + 1, :, j:j + 1], k[b:b + 1, :, :e], v[b:b + 1, :, :e], False, backend="manual")
+                assert rel_err(alone, y[b:b + 1, :, j:j + 1]) < 1e-5, (backend, b, j)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or M.flash_attn_func is None, reason="needs CUDA and flash-attn")
 def test_flash_matches_sdpa():
     for tq, tk, causal, hkv in [(64, 64, True, 4), (16, 96, False, 2), (1, 50, True, 2), (5, 50, True, 4)]:

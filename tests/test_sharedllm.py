@@ -321,6 +321,7 @@ def test_encoding_in_small_calls_changes_nothing(policy, monkeypatch):
 
 
 @pytest.mark.parametrize("policy,kw", [("query", dict(noise=5.0)), ("continuation", dict(noise=5.0)),
+                                       ("continuation", dict(n_lower=3, noise=5.0)),
                                        ("right", dict(noise=5.0)),
                                        ("query", dict(n_lower=1, beta=1, keep="first"))])
 def test_reference_encoding_equals_the_batched_one(policy, kw, monkeypatch):
