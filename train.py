@@ -42,7 +42,7 @@ data_dir = ""               # a folder of .txt files, a glob like dir/*_gut.txt,
                             # .py, also ""), "pydoc", or several joined by commas, drawn evenly (data.py); one file
                             # is one document, held out for validation: eval.py reads it, training cannot
 tokenizer = "byte"          # "byte" | "gpt2" | a tokenizer.model / tokenizer.json path (a LLaMA folder brings its own)
-n_chunks = 4                # n: context chunks per training sample (X_C = n x C tokens)
+n_chunks = 8                # n: context chunks per training sample at the end (X_C = n x C tokens)
 block_size = 64             # T: running-text tokens (X_D); passkey samples pad after the answer (not scored)
 # model: preset for scratch, SharedLLM settings always (model.SharedConfig says which are the paper's)
 preset = "tiny"             # model.PRESETS key, for init_from=scratch
@@ -86,7 +86,8 @@ lm_from = 1500              # in "mixed", language-modeling batches join at this
                             # mixed in from the start, text keeps the passkey on its plateau)
 context_dropout = 0.25      # share of language-modeling batches trained without X_C, so the upper model also works
                             # alone (a fair "without context" baseline; a pretrained LLaMA has that for free)
-chunk_schedule = "1:700,2:1200"    # curriculum: 1 chunk until iter 700, 2 until 1200, then n_chunks ("" = off)
+chunk_schedule = "1:700,2:1200,4:2000"   # curriculum: 1 chunk until iter 700, 2 until 1200, 4 until 2000, then
+                            # n_chunks ("" = off)
 beta_schedule = "1:300,2:450,4:600"   # compression curriculum: beta 1 until iter 300, 2 until 450, 4 until 600, then beta
 keep = "last"               # "last" | "first" token of each stride window
 max_chunk_id = 1024         # "random": ids drawn up to this in training = the longest context in distribution (chunks)
