@@ -739,8 +739,8 @@ def lower_kv(llama, tokens, n_layers, kept_at, kv0=None):
 def first_layer_kv(llama, tokens):
     # The first layer's K (before RoPE) and V of every token of tokens (...): (..., Hkv, hd) each.
     # The first layer reads the embedding, so these depend on the token alone; only K's rotation
-    # depends on where a sequence starts. The policies compute them once for all context tokens;
-    # the encoding then reuses them (sequence_kv).
+    # depends on where a sequence starts. The paper's search computes them once for all context
+    # tokens; the encoding then reuses them (sequence_kv).
     att = llama.layers[0].attention
     x = llama.layers[0].attention_norm(llama.tok_embeddings(tokens))
     return [w(x).unflatten(-1, (att.n_kv_heads, att.head_dim)) for w in (att.wk, att.wv)]

@@ -105,3 +105,26 @@ def test_query_policy_equals_the_reference_vector(lower):
             assert walk(nds) == expect, (r, walk(nds), expect)
             rights += sum(expect)
     assert 0 < rights < 12                                    # both ways taken: the test can tell them apart
+
+
+def test_the_one_search_reads_no_weights_and_finds_a_real_key():
+    # continuation (every recipe's search): the same nodes from models whose weights differ everywhere, the
+    # cross-attention's query included (so a search that read any weight, trained or copied, would differ), and on a
+    # real byte-level haystack the tree goes to the key's first mention (the bytes after "The pass key is ")
+    tok = data_tok()
+    rng = __import__("random").Random(3)
+    samples = [data.passkey_sample(tok, rng, 3, 64) for _ in range(6)]
+    ctx, idx, tgt, ql = data.collate(samples, tok)
+    nodes = []
+    for seed in (0, 1):
+        s = build("continuation", seed=seed)
+        with torch.no_grad():
+            for p in s.parameters():
+                p.add_(torch.randn(p.shape) * 0.5)
+            nodes.append(s.compress(ctx, idx, ql).nodes)
+    assert nodes[0] == nodes[1]
+    for b, mentions in enumerate(data.batch_mentions(ctx, tgt)):
+        a = mentions[0][0]                                          # the first mention's first digit, in X_C
+        chunk = nodes[0][b * 3 + a // 64]
+        holder = next(nd for nd in chunk if nd.start <= a % 64 < nd.end)
+        assert holder.level == 3, (b, a, holder)                    # in a leaf: the search went to it
