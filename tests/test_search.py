@@ -1,6 +1,5 @@
 # The search (Step 1): where it leaves the key, measured on hand-made trees, and each query-aware policy's fast
 # path against its plain definition, one tree and one child at a time.
-import math
 
 import pytest
 import torch

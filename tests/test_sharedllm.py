@@ -1,6 +1,5 @@
 # SharedLLM: equivalences and invariants that the released code's bugs would have failed.
 import copy
-import math
 import random
 
 import pytest
