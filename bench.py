@@ -22,7 +22,7 @@ import model as M
 import tree
 from configurator import auto_device, check_ranges, config_of, out_file, package_path, parse_overrides, peak_flops
 from checkpoint import load_sharedllm
-from load_llama import llama_config
+from load_llama import PRESETS, llama_config, preset as preset_config
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
@@ -106,7 +106,7 @@ def compress_flops(m, n):
     f = 0
     for nd in tree.search(1, s.chunk_size, s.height, s.beta)[0]:
         L = len(nd)
-        f += (s.n_lower - 1) * (full * L + 2 * L * L * c.n_heads * c.head_dim) + kv * nd.kept
+        f += (s.n_lower - 1) * (full * L + 2 * L * L * c.n_heads * c.head_dim) + kv * nd.n_kept
     return n * f
 
 
@@ -119,9 +119,9 @@ def build(g, dev, dt, **over):
         return m
     torch.manual_seed(g["seed"])
     shape = g["shape"] or g["preset"]
-    if shape not in M.PRESETS and not os.path.exists(package_path(shape)):
-        raise ValueError(f"--{'shape' if g['shape'] else 'preset'}={shape}: neither a model preset {sorted(M.PRESETS)} nor a LLaMA folder / .gguf file")
-    cfg = M.preset(shape) if shape in M.PRESETS else llama_config(package_path(shape))
+    if shape not in PRESETS and not os.path.exists(package_path(shape)):
+        raise ValueError(f"--{'shape' if g['shape'] else 'preset'}={shape}: neither a model preset {sorted(PRESETS)} nor a LLaMA folder / .gguf file")
+    cfg = preset_config(shape) if shape in PRESETS else llama_config(package_path(shape))
     if shared["n_lower"] > cfg.n_layers:    # the M table needs at least M layers: deepen the model, say so
         cfg = M.LlamaConfig(**{**cfg.__dict__, "n_layers": shared["n_lower"]})
     return M.SharedLLM(M.Llama(cfg), M.SharedConfig(**shared)).to(device=dev, dtype=dt).eval()
@@ -212,7 +212,7 @@ def length_sweep(g, m, lengths, gen, ql, peak, dev, dt):
         k_t, _ = measure(lambda: m.compress(ctx, idx, ql), dev, g["repeats"])
         pct = 100 * compress_flops(m, L // C) / k_t / peak
         f_t, f_mb, skip, last_full = full_attention(g, m, ctx, idx, L, last_full, dev)
-        kv_mb = 2 * m.scfg.n_lower * (L // C) * sum(nd.kept for nd in tree.search(1, C, m.scfg.height, m.scfg.beta)[0]) \
+        kv_mb = 2 * m.scfg.n_lower * (L // C) * sum(nd.n_kept for nd in tree.search(1, C, m.scfg.height, m.scfg.beta)[0]) \
             * c.n_kv_heads * c.head_dim * wbytes / 2**20
         sweep.append(dict(context_tokens=L, sharedllm_s=s_t, full_attention_s=f_t, sharedllm_peak_mb=s_mb,
                           full_attention_peak_mb=f_mb, compressed_kv_mb=kv_mb, compress_s=k_t, compress_pct_of_peak=pct,

@@ -6,6 +6,8 @@ A light checkpoint holds only what trained, plus the path and sha256 of the base
 `base_model` gives the unchanged base LLaMA of either, for baselines (full attention).
 train.py writes them (`save_checkpoint`, with every process's random streams: `rng_states`) and goes on from one
 exactly where it stopped (`restore_training`).
+train.py's model at start-up, new, pretrained or resumed (`sharedllm_to_train`), and what of it trains
+(`set_trainable`).
 """
 import hashlib
 import os
@@ -13,12 +15,14 @@ import pickle
 import random
 import re
 import zipfile
+from dataclasses import asdict
 
 import torch
 
 import model as M
-from load_llama import load_llama, load_tokenizer, safetensors_files, tokenizer_from_spec
+from load_llama import PRESETS, load_llama, load_tokenizer, safetensors_files, tokenizer_from_spec
 from model import Llama, LlamaConfig
+from tokenizer import ByteTokenizer, GPT2Tokenizer
 
 
 def read_checkpoint(path):
@@ -101,6 +105,11 @@ def retired(shared, ckpt_file):
         print(f"note: {ckpt_file} was evaluated with log-n query scaling, which this version no longer has: it is "
               "read without it")
     shared.pop("max_chunk_dist", None)
+    if isinstance(shared.get("chunk_ids"), bool):   # before the forms had names: True / False
+        shared["chunk_ids"] = "plain" if shared["chunk_ids"] else "off"
+    if "noise" in shared:   # before issue 49: noise = gamma, sigma = l / gamma; now sigma = 1 / gamma
+        gamma = shared.pop("noise")
+        shared["sigma"] = 1 / gamma if gamma else 0.0
 
 
 def load_sharedllm(path, device="cpu", dtype=torch.float32, **shared):
@@ -211,3 +220,90 @@ def restore_training(ckpt, optimizer, scaler, rng, rank, dev_type, seed):
         random.seed(fresh)
         torch.manual_seed(fresh)
     return iter_num
+
+# -----------------------------------------------------------------------------
+# the SharedLLM that train.py trains, built at its start-up (a bad setting is an error that names train.py's flag)
+
+
+def sharedllm_to_train(init_from, scfg, dtype, out_dir, preset, tokenizer, light_ckpt, checkpointing):
+    # init_from: "scratch" (a random LLaMA of the preset's shape, with `tokenizer`), "resume" (out_dir/ckpt.pt, whose
+    # settings must be scfg's, preset and tokenizer) or a LLaMA folder / .gguf file (loaded in dtype; light_ckpt: its
+    # path and sha256 are what checkpoints name). scfg: the SharedConfig settings. -> tokenizer, SharedLLM, the
+    # checkpoint resumed (or None), the base model a light checkpoint names (or None), the model's arguments
+    ckpt, base = None, None
+    if init_from == "scratch":
+        try:
+            tok = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(tokenizer, lambda: load_tokenizer(tokenizer))()
+        except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+            raise SystemExit(f"--tokenizer={tokenizer}: {e} (expected byte, gpt2 or a tokenizer file)") from None
+        if preset not in PRESETS:
+            raise SystemExit(f"--preset={preset}: expected one of {sorted(PRESETS)}")
+        vocab = max(PRESETS[preset]["vocab_size"], tok.vocab_size)
+        llama = Llama(LlamaConfig(**{**PRESETS[preset], "vocab_size": vocab}))
+    elif init_from == "resume":   # a setting given otherwise would be silently ignored: refused
+        path = os.path.join(out_dir, "ckpt.pt")
+        if not os.path.isfile(path):
+            raise SystemExit(f"init_from=resume: no checkpoint at {path}")
+        try:
+            ckpt = read_checkpoint(path)
+            raw = sharedllm_from_checkpoint(ckpt, path, dtype)   # as saved; a light one's base in dtype
+        except (ValueError, FileNotFoundError, ImportError) as e:
+            raise SystemExit(f"init_from=resume: {e}") from None
+        except (KeyError, TypeError) as e:
+            raise SystemExit(f"init_from=resume: {path} is not a train.py checkpoint (no {e})") from None
+        try:
+            now = {**asdict(M.SharedConfig(**scfg)), "preset": preset, "tokenizer": tokenizer}
+        except ValueError as e:
+            raise SystemExit(f"train.py: {e}") from None
+        was = {**asdict(raw.scfg), **{k: ckpt["config"].get(k, now[k]) for k in ("preset", "tokenizer")}}
+        differ = [k for k in now if was[k] != now[k]]
+        if differ:
+            raise SystemExit(f"init_from=resume: {path} was trained with " + ", ".join(
+                f"{k}={was[k]!r}" for k in differ) + " but this run sets " + ", ".join(
+                f"{k}={now[k]!r}" for k in differ) + "; resume with its settings (or its config file). To read a "
+                "checkpoint with other inference settings, use eval.py (--chunk_ids, --policy, --beta, ...)")
+        tok, llama, base = tokenizer_from_spec(ckpt["tokenizer"]), raw.upper, ckpt.get("base")
+    else:   # a LLaMA folder or .gguf file: both models come from this one checkpoint
+        if not os.path.exists(init_from):
+            raise SystemExit(f"--init_from={init_from}: no such file or folder (expected scratch, resume, a LLaMA "
+                             "folder or a .gguf file)")
+        if init_from.endswith(".pt") or os.path.isfile(os.path.join(init_from, "ckpt.pt")):
+            raise SystemExit(f"--init_from={init_from}: a train.py checkpoint; to continue it, use --init_from=resume "
+                             f"--out_dir={os.path.dirname(init_from) if init_from.endswith('.pt') else init_from}")
+        try:
+            tok = load_tokenizer(init_from)
+            llama = load_llama(init_from, "cpu", dtype)   # bf16 on CUDA: what stays frozen stays bf16
+            base = dict(path=os.path.abspath(init_from), sha256=base_digest(init_from)) if light_ckpt else None
+        except (ValueError, FileNotFoundError, ImportError) as e:
+            raise SystemExit(f"init_from={init_from}: {e}") from None
+    if tok.vocab_size > llama.cfg.vocab_size:
+        raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {llama.cfg.vocab_size}")
+    llama.checkpointing = checkpointing   # activation checkpointing
+    if ckpt is not None:
+        return tok, raw, ckpt, base, ckpt["model_args"]
+    model_args = dict(llama=asdict(llama.cfg), shared=scfg)
+    try:
+        raw = M.SharedLLM(llama, M.SharedConfig(**scfg))
+    except ValueError as e:   # an impossible SharedLLM setting (policy, chunk_ids, M, C / height / beta, ...)
+        raise SystemExit(f"train.py: {e}") from None
+    return tok, raw, ckpt, base, model_args
+
+
+def set_trainable(m, which):
+    # what trains in SharedLLM m (train.py's --train), held in fp32 the standard way: AdamW's step on a bf16 weight is
+    # lost whenever it is below half a bf16 ulp (bf16(0.02 + 1e-5) == 0.02). Frozen weights keep their dtype.
+    Mn = m.scfg.n_lower
+    rules = {
+        "all": lambda n: True,
+        "cross": lambda n: ".cross_" in n,
+        "cross+top": lambda n: ".cross_" in n or (n.startswith("upper.layers.") and int(n.split(".")[2]) >= Mn)
+                               or n.startswith(("upper.norm", "upper.output")),
+        "upper": lambda n: n.startswith("upper."),
+    }
+    if which not in rules:
+        raise SystemExit(f"--train={which}: expected one of {sorted(rules)}")
+    for n, p in m.named_parameters():
+        p.requires_grad_(rules[which](n))
+    for p in m.parameters():   # master weights: what trains in fp32
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()

@@ -1,5 +1,6 @@
 """
-The configuration every script shares (nanoGPT's configurator.py, as two functions), and the device choice.
+The configuration every script shares (nanoGPT's configurator.py, as two functions), the device choice, and
+train.py's meters: the matmul peak, a step's FLOPs, the memory a run will hold.
 
 A script's settings are a commented block of module-level names between "# config:" and a dashed line. They
 are overridden on the command line, config files first, then flags, each later one winning:
@@ -129,8 +130,8 @@ def peak_flops(dev_type, dt, n=None, trials=10):
     # the device's matmul peak, measured here (no hard-coded A100 number): a large matmul, best of `trials` after a
     # warm-up (a cold 2-core CPU read 0.16 TFLOP/s where a warm one reads 0.27-0.30)
     n = n or (4096 if dev_type == "cuda" else 1024)
-    # its own generator: measuring (again, when a run finds the first measurement too low) never moves the run's random
-    # stream, so a resumed run draws what the uninterrupted one draws
+    # its own generator: measuring never moves the run's random stream, so a resumed run draws what the uninterrupted
+    # one draws
     g = torch.Generator(device=dev_type).manual_seed(0)
     a = torch.randn(n, n, device=dev_type, dtype=dt if dev_type == "cuda" else torch.float32, generator=g)
     sync = {"cuda": torch.cuda.synchronize, "mps": lambda: torch.mps.synchronize()}.get(dev_type, lambda: None)
@@ -146,3 +147,68 @@ def peak_flops(dev_type, dt, n=None, trials=10):
         best = min(best, (time.time() - t) / 4)
     print(f"measured matmul peak: {2 * n**3 / best / 1e12:.2f} TFLOP/s ({dev_type}, {n}x{n}); MFU is against this")
     return 2 * n**3 / best
+
+# -----------------------------------------------------------------------------
+# train.py's schedules and chunk counts, read from their settings
+
+
+def parse_schedule(name, spec, check=lambda value: None):
+    # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)]; check(value) may refuse one with a ValueError
+    try:
+        pairs = [tuple(int(x) for x in part.split(":")) for part in filter(None, spec.split(","))]
+        assert all(len(p) == 2 for p in pairs), "each part is value:until_iter"
+        assert all(v >= 1 for v, _ in pairs), "values are at least 1"
+        for v, _ in pairs:
+            check(v)
+    except (ValueError, AssertionError) as e:
+        raise SystemExit(f"--{name}={spec}: expected value:until_iter pairs like 2:1000,4:2000 ({e})") from None
+    return pairs
+
+
+def scheduled(pairs, it, final):   # the value of the first pair whose until_iter is still ahead, else final
+    return next((v for v, until in pairs if it < until), final)
+
+
+def parse_counts(name, spec):   # "4,16" -> [4, 16]
+    try:
+        counts = [int(x) for x in spec.split(",")]
+        assert counts and all(n >= 1 for n in counts)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--{name}={spec}: expected chunk counts like 4,16,64 (positive integers)") from None
+    return counts
+
+# -----------------------------------------------------------------------------
+# what a training step costs: FLOPs (for train.py's MFU, against peak_flops) and device memory
+
+
+def step_flops(m, n, T):
+    # FLOPs of one sample's forward+backward through SharedLLM m (an estimate): 2 x params x tokens forward, 2 more
+    # for the input gradient, 2 more for the weight gradient where weights train; plus attention. Lower: M layers
+    # over n*C context tokens (forward only when frozen); upper: all layers over T tokens (backward runs through
+    # frozen layers too).
+    c = m.upper.cfg
+    per_layer = 2 * c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.dim * c.hidden_dim
+    lower_mult = 6 if any(p.requires_grad for p in m.lower_parameters()) else 2
+    lower = lower_mult * per_layer * m.scfg.n_lower * n * m.scfg.chunk_size
+    S = n * m.scfg.chunk_size // m.scfg.beta
+    upper_mult = 6 if any(p.requires_grad for n_, p in m.upper.named_parameters() if ".cross_" not in n_) else 4
+    upper = upper_mult * (per_layer * c.n_layers + c.dim * c.vocab_size) * T + 6 * c.n_layers * c.dim * T * T \
+        + 6 * m.scfg.n_lower * (2 * c.dim * c.dim + 2 * c.dim * S) * T
+    return lower + upper
+
+
+def memory_estimate(m, dt, dev, batch_size, block_size, n_chunks, ema_decay, activation_checkpointing):
+    # what training SharedLLM m will hold on the device, printed before anything is allocated there: the weights as
+    # they are (frozen ones in their load dtype, trainable ones in fp32), fp32 gradients and AdamW's two fp32 moments
+    # for what trains, activations of one micro-batch (autocast: bf16 on CUDA), and the compressed KVs
+    c, s = m.upper.cfg, m.scfg
+    abytes = 2 if dt != "float32" else 4
+    n_tr = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    act = batch_size * block_size * c.dim * abytes * (c.n_layers * (2 if activation_checkpointing else 18)) \
+        + batch_size * block_size * c.vocab_size * 4 * 2
+    kv = batch_size * 2 * s.n_lower * n_chunks * (s.chunk_size // s.beta) * c.n_kv_heads * c.head_dim * abytes
+    est = dict(weights=sum(p.numel() * p.element_size() for p in m.parameters()), grads=n_tr * 4, adam=n_tr * 8,
+               ema=n_tr * 4 if ema_decay > 0 else 0,
+               activations=act, compressed_kv=kv)
+    print("memory estimate: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in est.items())
+          + f"; total {sum(est.values()) / 2**30:.1f} GiB on {dev}")

@@ -17,6 +17,7 @@ import glob
 import hashlib
 import json
 import os
+import random
 import sysconfig
 
 import numpy as np
@@ -245,3 +246,40 @@ def get_batch(kind, B, rng, tok, splits, n_chunks, chunk_size, T, split="train")
     samples = [passkey_sample(tok, rng, n_chunks, chunk_size, T) if kind == "passkey"
                else lm_sample(splits[split], rng, n_chunks, chunk_size, T) for _ in range(B)]
     return collate(samples, tok)
+
+
+def check_lengths(tok, splits, train_counts, eval_counts, task, chunk_size, block_size, pad_passkeys, data_dir,
+                  verbose=True):
+    # train.py's start-up check of every length the run will use against the data, not at iteration 2,500 or
+    # after training, where a crash would cost the run (errors name its flags). Training must fit; an evaluation
+    # length that no validation document can hold a language-modeling window for is evaluated on passkeys only, and
+    # said so. train_counts, eval_counts: sorted chunk counts. -> the chunk counts language modeling is evaluated at
+    if task != "lm":   # keys tokenize to different lengths (BPE): the longest of a fixed sample of 102 keys
+        keys = [10000, 99999] + [random.Random(k).randint(10000, 99999) for k in range(100)]
+        needle = max(len(tok.encode(NEEDLE.format(key=k), bos=False)) for k in keys) + 1
+        shortest = min(train_counts + eval_counts)
+        if shortest * chunk_size < needle:
+            raise SystemExit(f"--chunk_size={chunk_size} with --n_chunks / --chunk_schedule / --eval_chunks: "
+                             f"{shortest} chunk(s) hold {shortest * chunk_size} tokens; the passkey needle needs "
+                             f"{needle}")
+        xd = max(sum(map(len, passkey_question(tok, k))) for k in keys) - 1
+        if pad_passkeys and block_size < xd:   # (else a passkey batch is as long as it needs)
+            raise SystemExit(f"--block_size={block_size}: the passkey question and answer take up to {xd} tokens")
+    if task == "passkey":
+        return []
+    need = lambda n: n * chunk_size + block_size + 1
+    longest = {split: int(max(splits[split][1][1:] - splits[split][1][:-1])) for split in ("train", "val")}
+    where = data_dir or "the standard library"
+    if need(max(train_counts)) > longest["train"]:
+        raise SystemExit(f"--n_chunks / --chunk_schedule: {max(train_counts)} chunks x {chunk_size} + block_size "
+                         f"{block_size} + 1 = {need(max(train_counts)):,} tokens, and the longest training document "
+                         f"of {where} has {longest['train']:,}")
+    fit = [n for n in eval_counts if need(n) <= longest["val"]]
+    why = (f"a window needs n x {chunk_size} + {block_size} + 1 tokens and the longest validation document of "
+           f"{where} has {longest['val']:,}")
+    if task == "lm" and not fit:
+        raise SystemExit(f"--eval_chunks / --final_eval_chunks: no chunk count can be evaluated: {why}")
+    if fit != eval_counts and verbose:
+        print(f"language modeling is not evaluated at {[n for n in eval_counts if n not in fit]} chunks"
+              f"{' (passkeys are)' if task == 'mixed' else ''}: {why}")
+    return fit

@@ -1,6 +1,6 @@
 """
 Loading, without `transformers`: a LLaMA-family checkpoint straight into model.py's Llama (`load_llama`) and its
-tokenizer (`load_tokenizer`). train.py's own checkpoints are checkpoint.py's.
+tokenizer (`load_tokenizer`), or a named shape (`preset`). train.py's own checkpoints are checkpoint.py's.
 
 Two formats:
 - a Hugging Face-layout folder (Llama-2-7b-hf, TinyLlama, SmolLM2): config.json; model.safetensors or an index
@@ -22,6 +22,7 @@ import time
 import torch
 from safetensors import safe_open
 
+import decode
 import tokenizer as T
 from model import Llama, LlamaConfig
 
@@ -224,6 +225,33 @@ def config_from_gguf(meta, path):
                        tie_embeddings=False)
 
 
+# Named model shapes (train.py --preset, bench.py --shape), chosen by exact key, never guessed from a
+# folder name.
+PRESETS = {
+    "micro": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=64,
+                  max_seq_len=512),
+    "tiny": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=176,
+                 max_seq_len=1024),
+    "small": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=50304, hidden_dim=704,
+                  max_seq_len=1024),
+    # the real model's shape
+    "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152,
+                         hidden_dim=1536, rope_theta=100000.0, max_seq_len=8192,
+                         tie_embeddings=True),
+    "llama2-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
+                      hidden_dim=11008),
+    "llama2-13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000,
+                       hidden_dim=13824),
+    "llama2-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
+                       hidden_dim=28672),
+}
+
+
+def preset(name, **overrides):
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+    return LlamaConfig(**{**PRESETS[name], **overrides})
+
 def llama_config(path):
     # the LlamaConfig of an HF folder or .gguf file, without reading its weights (bench.py --shape)
     return config_from_gguf(read_gguf(path)[1], path) if path.endswith(".gguf") else config_from_hf(path)
@@ -346,5 +374,5 @@ if __name__ == "__main__":
         save_hf(model, tok, args.save_hf)
         print(f"wrote {args.save_hf}: model.safetensors, config.json, tokenizer.json")
     idx = torch.tensor([tok.encode(args.prompt)], device=args.device)
-    out = model.generate(idx, args.max_new_tokens, eos_id=tok.eos_id)
+    out = decode.generate(model, idx, args.max_new_tokens, eos_id=tok.eos_id)
     print(repr(args.prompt), "->", repr(tok.decode(out[0, idx.shape[1]:].tolist())))

@@ -1,28 +1,17 @@
 """
-LLaMA-2 in one file, and SharedLLM built on top of it.
+LLaMA in one file, and SharedLLM ("Two Are Better than One", ICLR 2025) built on top of it.
 
-SharedLLM ("Two Are Better than One", ICLR 2025) makes two models out of one LLaMA checkpoint:
-- the LOWER model (the bottom M layers) encodes the past context X_C, cut into chunks of C tokens.
-  Each chunk is a context tree (tree.py); each preserved node is encoded as its own sequence and
-  keeps a few of its per-layer key/value states (coarse for big nodes, fine for small ones);
-- the UPPER model (the whole LLaMA) reads the running text X_D and, in its bottom M layers,
-  cross-attends to those compressed key/values. Keys of chunk i sit at chunk position i and every
-  query at position n (n chunks), on top of the keys' own node-local rotation (paper Eq. 2).
-Beyond the paper, two choices, the same in every recipe: the search follows what comes after the
-question's last words in X_C (continuation_policy), and training draws random chunk ids
-(chunk_positions) so that reading far more chunks than training saw stays in distribution.
-
-Notable features:
-- hand-written RoPE that takes explicit position ids (whole chunks can sit at one position);
-- one `attention` function, the only place that knows flash-attn / SDPA / the manual softmax;
-- a KV cache for decoding; cross-attention keys/values are computed once per context;
-- runs on CPU (fp32) and CUDA (bf16) with no device-specific code in the modules.
-References: the paper (Sec. 3, Eq. 1-3, Algorithm 1); Meta's LLaMA-2 and HF's modeling_llama.py.
+One LLaMA checkpoint gives two models. The LOWER model (the bottom M layers) compresses the past
+context X_C, cut into chunks of C tokens: each chunk is a context tree (tree.py), and each preserved
+node keeps a few of its per-layer key/value states, coarse for big nodes, fine for small ones. The
+UPPER model (the whole LLaMA) reads the running text X_D and, in its bottom M layers, cross-attends
+to them with chunk-level position ids. SharedLLM.compress runs the paper's four steps in order.
+Beyond the paper, in every recipe: the search follows what comes after the question's last words
+(continuation_policy), and training draws random chunk ids (chunk_positions).
 """
 import copy
 import math
 from contextlib import nullcontext
-from collections import namedtuple
 from dataclasses import dataclass, field
 
 import torch
@@ -35,71 +24,32 @@ try:
     from flash_attn import flash_attn_func
 except ImportError:
     flash_attn_func = None
-# force "flash" | "sdpa" | "manual" (tests, teaching); None picks the fastest that applies
-ATTN_BACKEND = None
-# "batched" | "reference" (each preserved node on its own): SharedLLM.encode_nodes
-ENCODE_PATH = "batched"
-# the batched path encodes preserved nodes in calls of about this many tokens
-ENCODE_TOKENS = 4096
+ENCODE_TOKENS = 4096   # step 3 encodes the preserved nodes in calls of about this many tokens
+_announced = set()     # the attention backends already named in the log
 
-# -----------------------------------------------------------------------------
-# config
-
+# ------------------------------------------------------------------------------------------------
+# LLaMA
 
 @dataclass
 class LlamaConfig:
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
-    n_kv_heads: int = 32        # < n_heads means grouped-query attention (LLaMA-2 70B: 8)
+    n_kv_heads: int = 32        # < n_heads: grouped-query attention (LLaMA-2 70B: 8)
     vocab_size: int = 32000
     hidden_dim: int = 11008     # SwiGLU FFN width
     norm_eps: float = 1e-5      # LLaMA-2's config.json says 1e-5 (HF's class default is 1e-6)
     rope_theta: float = 10000.0
-    # the context window the base model was trained for (informational: RoPE takes any position)
-    max_seq_len: int = 4096
-    head_dim: int = 0           # 0 means dim // n_heads
-    # the output head IS the embedding matrix (SmolLM2, Llama-3.2 1B/3B); LLaMA-2: untied
-    tie_embeddings: bool = False
-    # Llama-3.1/3.2's "llama3" frequency scaling: {"factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"}; None = plain RoPE
-    rope_scaling: dict = None
+    max_seq_len: int = 4096     # the base model's window (informational: RoPE takes any position)
+    head_dim: int = 0           # 0: dim // n_heads
+    tie_embeddings: bool = False   # the output head IS the embedding (SmolLM2, Llama-3.2 1B/3B)
+    rope_scaling: dict = None   # Llama-3.1/3.2's "llama3" RoPE scaling (load_llama.py); None: off
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.dim // self.n_heads
         assert self.n_heads % self.n_kv_heads == 0, \
             f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
         assert self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE"
-
-
-# Named presets, chosen by exact key (never guessed from a folder name).
-PRESETS = {
-    "micro": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=64,
-                  max_seq_len=512),
-    "tiny": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=176,
-                 max_seq_len=1024),
-    "small": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=50304, hidden_dim=704,
-                  max_seq_len=1024),
-    # the real model's shape
-    "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152,
-                         hidden_dim=1536, rope_theta=100000.0, max_seq_len=8192,
-                         tie_embeddings=True),
-    "llama2-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
-                      hidden_dim=11008),
-    "llama2-13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000,
-                       hidden_dim=13824),
-    "llama2-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
-                       hidden_dim=28672),
-}
-
-
-def preset(name, **overrides):
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
-    return LlamaConfig(**{**PRESETS[name], **overrides})
-
-# -----------------------------------------------------------------------------
-# building blocks
 
 
 class RMSNorm(nn.Module):
@@ -109,20 +59,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # x * rsqrt(mean(x^2) + eps) in fp32 (one fused op), cast back, then scale: the same
-        # order as HF, so bf16 results agree too
+        # normalise in fp32, cast back, then scale: HF's order, so bf16 results agree too
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-# RoPE. Pairs can be formed two ways: Meta's original checkpoints rotate interleaved pairs
-# (x0,x1),(x2,x3)... (the complex-number form); Hugging Face checkpoints store wq/wk with their rows
-# permuted so that the pairs are the two halves (x_i, x_{i+d/2}) ("rotate_half"). Both give the
-# same attention scores. We load HF safetensors, so this file uses the split-half form and the
-# weights load untouched. To use Meta's layout instead, un-permute HF weights per head:
-#   w.view(n_heads, 2, head_dim // 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim)
-# (n_kv_heads for wk)
+# RoPE with explicit position ids (SharedLLM gives whole chunks one position). A rotated pair is
+# the two halves (x_i, x_{i+hd/2}), as HF checkpoints store wq/wk (Meta's: interleaved pairs).
 def rope_cos_sin(pos, head_dim, theta, scaling=None):
-    # pos: integer tensor of any shape (...); returns cos, sin of shape (..., head_dim), in fp32
+    # pos: integer tensor (...) -> cos, sin: (..., head_dim) each, fp32
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim))
     if scaling:
         inv_freq = llama3_scaled(inv_freq, scaling)
@@ -132,81 +76,47 @@ def rope_cos_sin(pos, head_dim, theta, scaling=None):
 
 
 def llama3_scaled(inv_freq, s):
-    # Llama-3.1's long-context RoPE: frequencies whose wavelength is short next to the original
-    # window stay, long ones are slowed down by `factor`, and those in between are blended
-    # linearly in (window / wavelength).
+    # Llama-3.1's long-context RoPE: wavelengths short next to the original window stay, long ones
+    # slow down by `factor`, those in between blend linearly in (window / wavelength)
     window, factor = s["original_max_position_embeddings"], s["factor"]
     lo, hi = s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
-    # 0: long wavelength (> window / lo), 1: short
-    blend = ((window / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
+    blend = ((window / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)   # 0: long wavelength, 1: short
     return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
 def apply_rope(x, cos, sin):
-    # x: (B, H, T, hd); cos/sin: (T, hd) or broadcastable to x. Rotating by p then by q = by p+q.
+    # x: (B, H, T, hd); cos, sin: broadcastable to x. Rotating by p then by q is rotating by p + q.
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-_announced = set()
-
-
 def attention(q, k, v, causal, backend=None, mask=None):
-    # q: (B, Hq, Tq, hd); k, v: (B, Hkv, Tk, hd), Hq a multiple of Hkv (grouped-query attention).
-    # causal with Tq < Tk means the queries are the LAST Tq positions (decoding with a cache).
-    # mask: (B, 1, Tq, Tk) bool, True where a query may read a key (lower_kv); not with causal.
-    backend = backend or ATTN_BACKEND
+    # softmax(q k^T / sqrt(hd)) v (tests/test_llama.py writes it out). q: (B, Hq, Tq, hd); k, v:
+    # (B, Hkv, Tk, hd), Hkv dividing Hq (grouped-query). causal with Tq < Tk: the queries are the
+    # LAST Tq positions. mask: (B, 1, Tq, Tk), True where a query may read a key (lower_kv).
+    # backend: "flash" (flash-attn: CUDA, half precision) or "sdpa"; None: flash where it can.
     if backend is None:
         half = q.dtype in (torch.float16, torch.bfloat16)
         backend = "flash" if flash_attn_func is not None and q.is_cuda and half else "sdpa"
     if mask is not None:   # flash-attn takes no mask of this kind
         assert not causal, "attention: a mask or causal, not both"
-        backend = "manual" if backend == "manual" else "sdpa"
+        backend = "sdpa"
     if backend not in _announced:
         _announced.add(backend)
-        missing = backend == "sdpa" and flash_attn_func is None
-        why = " (flash-attn not installed)" if missing else ""
+        why = " (flash-attn not installed)" if backend == "sdpa" and not flash_attn_func else ""
         print(f"attention backend: {backend}{why}")
     Tq, Tk = q.shape[2], k.shape[2]
     if backend == "flash":  # wants (B, T, H, hd), aligns causal masks bottom-right, does GQA
         y = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
         return y.transpose(1, 2)
+    assert backend == "sdpa", f"unknown attention backend {backend!r}"
     if causal and Tq != Tk:  # bottom-right aligned: query i sits at key position i + Tk - Tq
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
-    if backend == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                              is_causal=causal and mask is None,
-                                              enable_gqa=q.shape[1] != k.shape[1])
-    assert backend == "manual", f"unknown attention backend {backend!r}"
-    # the readable reference: softmax(q k^T / sqrt(d)) v, in fp32
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)   # (B, Hq, Tk, hd)
-    att = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, Hq, Tq, Tk)
-    if causal and mask is None:
-        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        att = att.masked_fill(~mask, float("-inf"))
-    return (att.softmax(dim=-1) @ v.float()).to(q.dtype)
-
-
-class KVCache:
-    # one layer's self-attention keys/values, preallocated for max_len positions and filled in
-    # order: (B, Hkv, max_len, hd). Decoding keeps one per layer; so does encode_nodes_reference.
-    def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype):
-        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.length = 0   # positions written so far
-
-    def update(self, k, v):
-        # k, v: (B, Hkv, T, hd), the next T positions -> all K, V so far: (B, Hkv, length, hd)
-        start, end = self.length, self.length + k.shape[2]
-        assert end <= self.k.shape[2], \
-            f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}"
-        self.k[:, :, start:end], self.v[:, :, start:end] = k, v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                          is_causal=causal and mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def split_heads(x, n_heads, head_dim):   # (B, T, n_heads * hd) -> (B, n_heads, T, hd)
@@ -237,40 +147,30 @@ class SelfAttention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, rope, cache=None):
-        # x: (B, T, dim); rope: (cos, sin) of its positions; cache: this layer's KVCache (decoding)
+        # x: (B, T, dim); rope: (cos, sin) of its positions; cache: decode.KVCache or None
         q = self.query(x, rope)
         k, v = self.kv(x, *rope)
-        if cache is not None:   # the queries are the LAST T positions of what the cache holds
+        if cache is not None:   # decoding: the queries are the LAST T positions of the cache
             k, v = cache.update(k, v)
         return self.wo(merge_heads(attention(q, k, v, causal=True)))
 
 
-# What an upper layer's cross-attention reads (paper Eq. 3): the compressed K (rotated) and V of
-# its lower layer, (B, Hkv, n*S, hd) each (S KVs per chunk); the rotation of the X_D queries to
-# their chunk position (cos, sin), or None.
-Cross = namedtuple("Cross", "k v q_rope")
-
-
 class CrossAttention(nn.Module):
-    # Upper layer -> compressed context (paper Eq. 3). Its own query and output projections and NO
-    # key/value projections: K/V are the lower model's own self-attention K (already rotated) and V
-    # at the kept positions.
+    # Upper layer -> compressed context (Eq. 3). A query and an output projection of its own, and
+    # no key/value projections: K/V are the lower model's self-attention K (rotated) and V.
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def queries(self, x, q_rope):
-        # x: (B, T, dim) -> (B, Hq, T, hd), rotated to chunk position n (q_rope) unless chunk ids
-        # are off
-        q = split_heads(self.wq(x), self.n_heads, self.head_dim)
-        return q if q_rope is None else apply_rope(q, *q_rope)
-
-    def forward(self, x, cross):
-        # x: (B, T, dim); cross: a Cross -> (B, T, dim). The context precedes X_D: no mask.
-        y = attention(self.queries(x, cross.q_rope), cross.k, cross.v, causal=False)
-        return self.wo(merge_heads(y))
+    def forward(self, x, k, v, q_rope):
+        # x: (B, T, dim); k, v: a lower layer's compressed context, (B, Hkv, n*S, hd) each;
+        # q_rope: the queries' rotation to their chunk id, or None. No mask: X_C precedes X_D.
+        q = split_heads(self.wq(x), self.n_heads, self.head_dim)   # (B, Hq, T, hd)
+        if q_rope is not None:
+            q = apply_rope(q, *q_rope)
+        return self.wo(merge_heads(attention(q, k, v, causal=False)))
 
 
 class FeedForward(nn.Module):
@@ -291,13 +191,13 @@ class Block(nn.Module):
         self.attention = SelfAttention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
-        self.cross_norm = self.cross_attention = None   # attached by SharedLLM to the bottom M
+        self.cross_norm = self.cross_attention = None   # SharedLLM adds them to the bottom M
 
     def forward(self, x, rope, cache=None, cross=None):
-        # residual order: self-attention, then cross-attention (the bottom M layers), then the MLP
+        # self-attention, then cross-attention (the bottom M layers of the upper model), then MLP
         x = x + self.attention(self.attention_norm(x), rope, cache)
         if cross is not None:
-            x = x + self.cross_attention(self.cross_norm(x), cross)
+            x = x + self.cross_attention(self.cross_norm(x), *cross)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -311,20 +211,17 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:   # one tensor in two places: it trains, saves and loads as one
             self.output.weight = self.tok_embeddings.weight
-        self.checkpointing = False   # activation checkpointing while training (train.py sets it)
-        self.apply(self._init_weights)
-
-    def _init_weights(self, m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        self.checkpointing = False   # activation checkpointing in training (train.py sets it)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def rope(self, pos):
         return rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
     def forward(self, idx, targets=None, start_pos=0, caches=None, memory=None, last=0):
-        # idx: (B, T) token ids at positions start_pos..start_pos+T-1 (X_D starts at position 0).
-        # memory: a compressed context from SharedLLM.compress, or None for the plain LLaMA.
-        # last: logits for the last `last` positions only (0 = all), to score a long window's end
+        # idx: (B, T) token ids at positions start_pos.. (X_D starts at 0); memory: a compressed
+        # context (SharedLLM.compress) or None; last: logits for the last `last` positions only
         T = idx.shape[1]
         assert caches is None or caches[0].length == start_pos, \
             "decode positions in order: start_pos = cache length"
@@ -333,7 +230,7 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             cross = None
             if memory is not None and layer.cross_attention is not None:   # reads lower layer i
-                cross = Cross(*memory.kv[i], memory.q_rope)
+                cross = (*memory.kv[i], memory.q_rope)
             cache = None if caches is None else caches[i]
             if self.checkpointing and self.training:   # recompute in backward: memory for time
                 x = torch.utils.checkpoint.checkpoint(layer, x, rope, cache, cross,
@@ -347,87 +244,27 @@ class Llama(nn.Module):
                                    ignore_index=-100)
         return logits, loss
 
-    def new_caches(self, batch, max_len):
-        p, c = self.output.weight, self.cfg
-        return [KVCache(batch, c.n_kv_heads, max_len, c.head_dim, p.device, p.dtype)
-                for _ in self.layers]
-
-    @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None, memory=None,
-               eos_id=None):
-        # prefill idx (B, T), then yield one (B, 1) token at a time, decoding with the KV cache
-        B, T = idx.shape
-        caches = self.new_caches(B, T + max_new_tokens)
-        logits, _ = self(idx, caches=caches, memory=memory)                      # prefill
-        for pos in range(T, T + max_new_tokens):
-            nxt = sample_next(logits[:, -1], temperature, top_k, top_p)
-            yield nxt
-            if (eos_id is not None and (nxt == eos_id).all()) or pos == T + max_new_tokens - 1:
-                break
-            logits, _ = self(nxt, start_pos=pos, caches=caches, memory=memory)   # one at a time
-
-    def generate(self, idx, max_new_tokens, **sampling):
-        return torch.cat([idx, *self.stream(idx, max_new_tokens, **sampling)], dim=1)
-
-
-def sample_next(logits, temperature=0.0, top_k=None, top_p=None):
-    # logits: (B, vocab) -> (B, 1) token ids; temperature 0 is greedy
-    if temperature == 0.0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    if top_p is not None:   # keep the smallest set of tokens whose probability reaches top_p
-        sp, si = probs.sort(dim=-1, descending=True)
-        drop = sp.cumsum(dim=-1) - sp > top_p
-        probs = torch.zeros_like(probs).scatter(1, si, sp.masked_fill(drop, 0.0))
-    return torch.multinomial(probs, num_samples=1)
-
-# -----------------------------------------------------------------------------
-# SharedLLM: the lower model compresses X_C into context trees, the upper model cross-attends
-
+# ------------------------------------------------------------------------------------------------
+# SharedLLM
 
 @dataclass
 class SharedConfig:
-    # The method's settings. Their defaults are train.py's recipe (a test keeps them equal), except
-    # the sizes M and C, which are the paper's LLaMA-2 ones (docs/differences.md compares them).
-    # M: lower-model layers = the upper's cross-attention layers (paper: 4 LM, 16 SFT)
-    n_lower: int = 4
-    # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
-    chunk_size: int = 1024
-    # h: levels of the context tree below the root
-    height: int = 3
-    # the overall compression: C / (KVs kept per chunk)
-    beta: int = 8
-    # which child the search expands. "continuation" (ours, every recipe's): toward what follows
-    # the question's last words in X_C (continuation_policy); no question, as in language
-    # modeling, goes right, as in the paper. Ablations: "query" (the paper's vector: cosine with
-    # the question) and "right" (always the most recent half, question or not).
-    policy: str = "continuation"
-    # the split noise in training (Eq. 1): sigma = l / noise (l: the node's length; the paper's
-    # Table 5: l/5 LM, l/10 SFT), so LARGER means LESS noise; 0 = exact halves (its "w/o noise")
-    noise: float = 0.0
-    # chunk-level position ids (Eq. 2): "random" (ours, every recipe's: random ids in training,
-    # the paper's plain ids at inference), "plain" (the paper's, in training too), "off" (its
-    # ablation); chunk_positions says what each does
-    chunk_ids: str = "random"
-    # "shared": the lower model is the upper's own bottom M layers (one set of weights: the paper's
-    # copy, while they stay frozen or train together); "copy": a frozen copy of them, so that
-    # training the upper model (train.py --train=cross+top, upper) leaves the compressor as it was
-    lower: str = "shared"
-    # "random": in training, each sample's chunks sit at sorted random ids up to max_chunk_id
-    max_chunk_id: int = 1024
-    # which token of each stride window keeps its KV: "last", or "first" (the released code)
-    keep: str = "last"
+    # The method's settings. Defaults: train.py's recipe, except M and C, the paper's LLaMA-2 sizes.
+    n_lower: int = 4        # M: lower-model layers = upper cross-attention layers (paper: 4, 16)
+    chunk_size: int = 1024  # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
+    height: int = 3         # h: levels of the context tree below the root
+    beta: int = 8           # the overall compression: C / (KVs kept per chunk)
+    policy: str = "continuation"   # pi, step 1: "continuation" (ours); "query" (paper), "right"
+    sigma: float = 0.0      # split noise in training, a fraction of l (Table 5: l/5 = 0.2; tree.py)
+    chunk_ids: str = "random"   # Eq. 2: "random" (ours), "plain" (paper), "off"; chunk_positions
+    max_chunk_id: int = 1024   # "random": the largest id drawn in training
+    lower: str = "shared"   # the upper's own bottom M layers, or a frozen "copy" (train=upper)
+    keep: str = "last"      # which token of each stride window is kept: "last" (ours) or "first"
 
-    def __post_init__(self):
-        if isinstance(self.chunk_ids, bool):   # older checkpoints and code said True / False
-            self.chunk_ids = "plain" if self.chunk_ids else "off"
-        for name, allowed in [("policy", ("continuation", "query", "right")),
-                              ("chunk_ids", ("random", "plain", "off")),
-                              ("lower", ("shared", "copy")), ("keep", ("last", "first"))]:
+    def __post_init__(self):   # a bad setting fails here, once, not in the middle of a run
+        for name, allowed in [("policy", ("continuation", "query", "right")), ("keep", ("last",
+                              "first")), ("chunk_ids", ("random", "plain", "off")),
+                              ("lower", ("shared", "copy"))]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SharedConfig.{name} = {getattr(self, name)!r}; "
                                  f"expected one of {allowed}")
@@ -435,10 +272,9 @@ class SharedConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"SharedConfig.{name} = {getattr(self, name)}; "
                                  "expected at least 1")
-        if not self.noise >= 0:
-            raise ValueError(f"SharedConfig.noise = {self.noise}; "
-                             "expected 0 (off) or a positive value")
-        try:   # an impossible shape fails here, once, not in the middle of a run
+        if not self.sigma >= 0:
+            raise ValueError(f"SharedConfig.sigma = {self.sigma}; expected 0 (off) or more")
+        try:
             tree.search(1, self.chunk_size, self.height, self.beta)
         except AssertionError as e:
             raise ValueError(f"SharedConfig: chunk_size {self.chunk_size}, height {self.height}, "
@@ -452,14 +288,10 @@ class SharedConfig:
 
 @dataclass
 class Memory:
-    # a compressed context: what the upper model's cross-attention reads
-    # per lower layer j: (K, V), each (B, Hkv, n*S, hd); S = KVs kept per chunk
-    kv: list
-    # (cos, sin), (B, 1, 1, hd) each: every X_D query's rotation to its chunk position (n for plain
-    # ids), or None: no chunk ids
-    q_rope: tuple
-    # per (batch item, chunk): the preserved tree.Nodes
-    nodes: list = field(default_factory=list)
+    # A compressed context: what the upper model's cross-attention reads.
+    kv: list        # per lower layer: (K, V), each (B, Hkv, n*S, hd); S = KVs kept per chunk
+    q_rope: tuple   # the X_D queries' rotation (cos, sin), (B, 1, 1, hd) each; None: no chunk ids
+    nodes: list = field(default_factory=list)   # per (batch item, chunk): its preserved tree.Nodes
 
 
 class SharedLLM(nn.Module):
@@ -469,15 +301,17 @@ class SharedLLM(nn.Module):
         if not 1 <= m <= cfg.n_layers:
             raise ValueError(f"n_lower (M) = {m}; the model has {cfg.n_layers} layers")
         self.scfg, self.upper = scfg, llama
-        # None: the lower model is the upper's own bottom M layers
-        self.lower = frozen_copy(llama, m) if scfg.lower == "copy" else None
+        self.lower = None   # "shared": the lower model is the upper's bottom M layers
+        if scfg.lower == "copy":   # a frozen copy: the embedding, the bottom M blocks, the norm
+            self.lower = copy.deepcopy(llama)
+            self.lower.layers, self.lower.output = self.lower.layers[:m], None
+            self.lower.requires_grad_(False)
         p = llama.output.weight
         for blk in llama.layers[:m]:   # the bottom M layers cross-attend: layer i reads lower i
             blk.cross_norm = RMSNorm(cfg.dim, cfg.norm_eps).to(p.device, p.dtype)
             blk.cross_attention = CrossAttention(cfg).to(p.device, p.dtype)
-            # The layer's own query (its norm and wq) and a zero output projection: an untrained
-            # SharedLLM returns exactly its base LLaMA's output, so training starts from the
-            # pretrained model and only adds.
+            # Ours: the layer's own norm and query, and a zero output projection. An untrained
+            # SharedLLM returns exactly its base LLaMA's output: training only adds to it.
             with torch.no_grad():
                 blk.cross_norm.weight.copy_(blk.attention_norm.weight)
                 blk.cross_attention.wq.weight.copy_(blk.attention.wq.weight)
@@ -488,13 +322,12 @@ class SharedLLM(nn.Module):
         # both models from one checkpoint: SharedLLM.from_llama(load_llama(dir), n_lower=4, ...)
         return cls(llama, SharedConfig(**shared_config))
 
-    def lower_model(self):
+    def lower_model(self):   # the model whose bottom M layers compress
         return self.lower if self.lower is not None else self.upper
 
     def lower_parameters(self):
-        # what the compressor runs: the embedding, the bottom M blocks (not their cross-attention)
-        low = self.lower_model()
-        return [p for n, p in low.named_parameters() if n.startswith("tok_embeddings")
+        # what the compressor runs: the embedding and the bottom M blocks (not their cross parts)
+        return [p for n, p in self.lower_model().named_parameters() if n.startswith("tok_emb")
                 or (n.startswith("layers.") and int(n.split(".")[1]) < self.scfg.n_lower
                     and ".cross_" not in n)]
 
@@ -504,161 +337,92 @@ class SharedLLM(nn.Module):
         memory = None if empty else self.compress(context, idx, query_len)
         return self.upper(idx, targets, memory=memory)
 
-    @torch.no_grad()
-    def generate(self, context, idx, max_new_tokens, query_len=None, **sampling):
-        memory = self.compress(context, idx, query_len)   # once: the tree and its KVs stay fixed
-        return self.upper.generate(idx, max_new_tokens, memory=memory, **sampling)
-
     def compress(self, context, idx=None, query_len=None):
-        # The paper's method in four steps. context: (B, n, C) token ids of X_C; idx: (B, T) the
-        # running text X_D; query_len: (B,) how many leading tokens of X_D are the question. None
-        # (or 0 for a row) means no question: language modeling, where the paper goes right. (All
-        # of X_D as the question would let the tree depend on the tokens being predicted.) -> Memory
+        # Sec. 3.2-3.3 in four steps. context: (B, n, C) tokens of X_C; idx: (B, T) the running
+        # text X_D; query_len: (B,) the question's length at the start of X_D (None or 0: none)
         B, n, C = context.shape
         if C != self.scfg.chunk_size:
             raise ValueError(f"context chunks have {C} tokens; this model's chunk_size C is "
                              f"{self.scfg.chunk_size}")
         rows = context.reshape(B * n, C)                  # one context tree per (batch item, chunk)
-        if query_len is not None:                         # on the host: the tree reads it
+        if query_len is not None:                         # on the host: the policies read it there
             query_len = torch.as_tensor(query_len).cpu()
         frozen = not any(p.requires_grad for p in self.lower_parameters())
-        # a frozen compressor builds no graph; a trained one keeps the caller's mode (eval: no_grad)
-        with torch.no_grad() if frozen else nullcontext():
-            # 1. the query-aware policy: how each tree picks the child to expand
-            decide, first_kv = self.search_policy(rows, idx, query_len)
-            # 2. split-and-search (Eq. 1, Algorithm 1): the preserved nodes and the KVs each keeps
-            # (the level-wise compression: tree.node_budget)
-            noise = self.scfg.noise if self.training else 0.0
-            nodes = tree.search(B * n, C, self.scfg.height, self.scfg.beta, decide, noise)
-            # 3. each preserved node through the lower model, K/V kept at tree.keep_index
-            kv = self.encode_nodes(rows, nodes, first_kv)
-            # 4. chunk-level position ids (Eq. 2); the upper model's CrossAttention reads the
-            # result (Eq. 3)
+        with torch.no_grad() if frozen else nullcontext():   # a frozen compressor: no graph
+            # 1. the query-aware policy pi, which tree.search calls at each level
+            select = self.search_policy(rows, idx, query_len)
+            # 2. split-and-search (Eq. 1, Algorithm 1): the preserved nodes, KVs kept by each
+            sigma = self.scfg.sigma if self.training else 0.0
+            nodes = tree.search(B * n, C, self.scfg.height, self.scfg.beta, select, sigma)
+            # 3. each preserved node through the lower model: its kept K/V of every layer
+            kv = self.encode_nodes(rows, nodes)
+            # 4. chunk-level position ids (Eq. 2), for the upper model's CrossAttention
             return self.chunk_level_kv(kv, nodes, B, n)
 
     def search_policy(self, rows, idx, query_len):
-        # Step 1 (Sec. 3.2): how every tree chooses the child to expand -> decide(level, lefts,
-        # rights) for tree.search, or None ("always right"); and the first layer's K/V of every
-        # context token when the policy computed them (step 3 reuses them), else None.
-        policy = self.scfg.policy
-        if policy == "right" or query_len is None or not bool((query_len > 0).any()):
-            return None, None
-        if policy == "continuation":                                   # ours: every recipe's search
-            return continuation_policy(rows, idx, query_len), None
-        first_kv = first_layer_kv(self.lower_model(), rows.reshape(-1))  # (B*n*C, Hkv, hd) each
-        return self.query_policy(rows, idx, query_len, first_kv), first_kv   # the paper's vector
+        # Step 1 (Sec. 3.2) -> select(lefts, rights) for tree.search, or None: the right child
+        # everywhere (the paper's language modeling, and any batch with no question)
+        if self.scfg.policy == "right" or query_len is None or not bool((query_len > 0).any()):
+            return None
+        if self.scfg.policy == "continuation":   # ours, every recipe's
+            return continuation_policy(rows, idx, query_len)
+        return self.query_policy(rows, idx, query_len)
 
-    def expand_right_reference(self, question, left, right):
-        # Step 1 for one tree at one level, the obvious way (query_policy is tested equal to it):
-        # the question's vector (upper model) and each child's (lower model), expand the closer.
-        # question, left, right: token spans (L,) each -> True: expand the right child
-        q = retrieval_vector_reference(self.upper, question)
-        low = self.lower_model()
-        sim = lambda span: F.cosine_similarity(q, retrieval_vector_reference(low, span), 0)
-        return bool(sim(right) > sim(left))
-
-    def query_policy(self, rows, idx, query_len, first_kv):
-        # The paper's query-aware search, fast: at each level, every tree compares the question
-        # with ITS OWN two children and expands the more similar one (cosine of retrieval vectors;
-        # expand_right_reference is the same for one tree, plainly, and tested equal). A row whose
-        # sample has no question goes right.
-        # rows: (B*n, C); idx: (B, T) X_D; query_len: (B,) on the host; first_kv: the first layer's
-        # K (not rotated) and V of every context token, (B*n*C, Hkv, hd) each -> decide
-        low, (R, C) = self.lower_model(), rows.shape
-        n = R // idx.shape[0]
-        no_query = (query_len == 0).repeat_interleave(n).tolist()
+    def query_policy(self, rows, idx, query_len):
+        # Step 1 as the paper writes it (an ablation here): select the child whose hidden vector
+        # (lower model) is closer in cosine to the question's (upper model). A tree of a sample
+        # with no question selects the right child.
+        low, n = self.lower_model(), rows.shape[0] // idx.shape[0]
+        no_question = (query_len == 0).repeat_interleave(n).tolist()
         with torch.no_grad():   # a discrete choice: no gradient flows through it
-            # the question's last token (a row with no question: any index, it goes right anyway)
-            last = (query_len - 1).clamp(min=0).to(idx.device)
-            q = retrieval_vector(self.upper, idx, last[:, None])[:, 0]            # (B, dim)
-            q = q.repeat_interleave(n, dim=0)                                    # (B*n, dim)
-            # RoPE is relative: a span inside a row scores as on its own when the row's keys are
-            # rotated once at their row positions, so one rotation serves every span compared:
-            # (R*C, Hkv, hd) -> (R, Hkv, C, hd), K rotated at 0..C-1
-            rows_kv = sequence_kv(low, *(t.view(R, C, *t.shape[1:]) for t in first_kv))
+            ends = query_len.clamp(min=1).to(idx.device)            # the question: idx[b, :end]
+            q = hidden_vectors(self.upper, idx, ends).repeat_interleave(n, dim=0)   # (B*n, dim)
 
-        def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
-            ends = [[l_end - 1, r_end - 1] for (_, l_end), (_, r_end) in zip(lefts, rights)]
-            starts = [[l_start, r_start] for (l_start, _), (r_start, _) in zip(lefts, rights)]
-            with torch.no_grad():   # both children of every tree in one call
-                h = retrieval_vector(low, rows, to_device(ends, rows.device),
-                                     to_device(starts, rows.device), rows_kv)     # (B*n, 2, dim)
-            cos = F.cosine_similarity
-            closer = cos(q, h[:, 1], dim=-1) > cos(q, h[:, 0], dim=-1)
-            return [r or nq for r, nq in zip(closer.tolist(), no_query)]
-        return decide
+        def select(lefts, rights):   # each tree's two children, (start, end) each
+            with torch.no_grad():
+                spans = lefts + rights
+                tokens = gather_spans(rows, [*range(len(lefts))] * 2, spans)        # (2R, L)
+                lengths = to_device([e - s for s, e in spans], rows.device)
+                h = hidden_vectors(low, tokens, lengths).view(2, len(lefts), -1)   # (2, R, dim)
+            closer = F.cosine_similarity(q, h[1], dim=-1) > F.cosine_similarity(q, h[0], dim=-1)
+            return [r or nq for r, nq in zip(closer.tolist(), no_question)]
+        return select
 
-    def encode_nodes_reference(self, rows, nodes):
-        # Step 3 (Sec. 3.2), the obvious way: each preserved node is a sequence of its own
-        # (positions 0..len-1) through the lower model's bottom M blocks, with no cross-attention.
-        # Each block's KV cache then holds exactly the K (rotated) and V the paper keeps, read at
-        # the node's kept positions. encode_nodes is tested equal to this, values and gradients.
-        # rows: (B*n, C); nodes: per row, its preserved tree.Nodes
-        # -> per lower layer (K, V), each (all kept KVs, Hkv, hd), in text order
-        low, cfg = self.lower_model(), self.scfg
-        kv = [([], []) for _ in range(cfg.n_lower)]
-        for r, row_nodes in enumerate(nodes):
-            for nd in row_nodes:
-                tokens = rows[r:r + 1, nd.start:nd.end]                          # (1, len)
-                x = low.tok_embeddings(tokens)
-                rope = low.rope(torch.arange(len(nd), device=rows.device))
-                # the dtype attention computes K/V in (bf16 under autocast)
-                autocast = torch.is_autocast_enabled(x.device.type)
-                dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-                caches = [KVCache(1, low.cfg.n_kv_heads, len(nd), low.cfg.head_dim, rows.device,
-                                  dtype) for _ in range(cfg.n_lower)]
-                for block, cache in zip(low.layers[:cfg.n_lower], caches):
-                    x = block(x, rope, cache)
-                kept_at = tree.keep_index(len(nd), nd.kept, cfg.keep)
-                for j, cache in enumerate(caches):                               # (n_kept, Hkv, hd)
-                    kv[j][0].append(cache.k[0, :, kept_at].transpose(0, 1))
-                    kv[j][1].append(cache.v[0, :, kept_at].transpose(0, 1))
-        return [(torch.cat(ks), torch.cat(vs)) for ks, vs in kv]
-
-    def encode_nodes(self, rows, nodes, first_kv=None):
-        # Step 3, batched: what encode_nodes_reference does one node at a time, for many nodes per
-        # call. Where it departs from the reference, and why the result is the same:
-        # - the nodes of one level (one length up to the split noise, one count kept) go through
-        #   the lower model together, right-padded by repeating their last token: attention is
-        #   causal, so no real position reads the padding; about ENCODE_TOKENS tokens per call;
-        # - first_kv (from step 1): the first layer's K/V depend on the token alone before RoPE,
-        #   so only K's rotation (to the node's own positions) is redone (sequence_kv);
-        # - the last lower block projects only the kept tokens' K/V: nothing reads its output;
-        # - the calls come out level by level; `order` puts the kept KVs back in text order.
-        # Same inputs and output as encode_nodes_reference.
-        if ENCODE_PATH == "reference":
-            return self.encode_nodes_reference(rows, nodes)
+    def encode_nodes(self, rows, nodes):
+        # Step 3 (Sec. 3.2): each preserved node, as a sequence of its own, through the lower
+        # model's M layers; each layer's K (rotated) and V kept at tree.kept_positions. rows:
+        # (B*n, C); nodes: per row, its preserved Nodes -> per layer (K, V), each (all kept KVs,
+        # Hkv, hd), each row's in text order. tests/test_sharedllm.py's oracle does one node at a
+        # time; here a level's nodes (one KV count; one length but for split noise) go together.
         low, cfg = self.lower_model(), self.scfg
         calls = [([], []) for _ in range(cfg.n_lower)]   # per layer: each call's kept K and V
-        offset_of, n_out = {}, 0   # (row, node start) -> its first kept KV's index in the calls
+        start_of = {}   # (row, node start) -> where its kept KVs start in the calls, concatenated
+        n_done = 0
         for level in range(1, cfg.height + 1):
             at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
             per_call = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
-            for sel in (at_level[i:i + per_call] for i in range(0, len(at_level), per_call)):
-                spans = [(nd.start, nd.end) for _, nd in sel]
-                tokens, at = gather_spans(rows, [r for r, _ in sel], spans)
-                kept_at = to_device([tree.keep_index(len(nd), nd.kept, cfg.keep) for _, nd in sel],
-                                    rows.device)
-                kv0 = None if first_kv is None else sequence_kv(low, *(t[at] for t in first_kv))
-                for j, kv in enumerate(lower_kv(low, tokens, cfg.n_lower, kept_at, kv0)):
+            for group in (at_level[i:i + per_call] for i in range(0, len(at_level), per_call)):
+                tokens = gather_spans(rows, [r for r, _ in group],
+                                      [(nd.start, nd.end) for _, nd in group])     # (R, L)
+                kept_at = to_device([tree.kept_positions(len(nd), nd.n_kept, cfg.keep)
+                                     for _, nd in group], rows.device)            # (R, n_kept)
+                for j, kv in enumerate(lower_kv(low, tokens, cfg.n_lower, kept_at)):
                     for out, t in zip(calls[j], kv):                   # (R, Hkv, n_kept, hd)
                         out.append(t.transpose(1, 2).flatten(0, 1))
-                # the calls come level by level: where each node's kept KVs start in them
-                for i, (r, nd) in enumerate(sel):
-                    offset_of[r, nd.start] = n_out + i * kept_at.shape[1]
-                n_out += kept_at.numel()
-        order = to_device([offset_of[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
-                           for t in range(nd.kept)], rows.device)    # text order -> index in calls
+                for i, (r, nd) in enumerate(group):
+                    start_of[r, nd.start] = n_done + i * kept_at.shape[1]
+                n_done += kept_at.numel()
+        # the calls come level by level: each row's KVs back together (step 4), in text order
+        order = to_device([start_of[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
+                           for t in range(nd.n_kept)], rows.device)
         return [(torch.cat(ks)[order], torch.cat(vs)[order]) for ks, vs in calls]
 
     def chunk_level_kv(self, kv, nodes, B, n):
-        # Step 4 (Eq. 2): each chunk's kept K/V side by side, every key of chunk i rotated to chunk
-        # position i on top of its node-local rotation, and every X_D query placed at position n.
-        # RoPE then makes a query-key angle depend on n - i - p (p: the key's position inside its
-        # node): one chunk step is one token of rotation, and the upper model sees chunk order.
-        # kv: per lower layer (K, V), each (B*n*S, Hkv, hd) in text order
-        # -> Memory with (B, Hkv, n*S, hd) each
-        S = sum(nd.kept for nd in nodes[0])                  # KVs kept per chunk, the same for all
+        # Step 4 (Eq. 2): each chunk's kept K/V side by side, rotated to its chunk id, every X_D
+        # query to the queries' id (chunk_positions: the paper's i and n, or random ids in
+        # training). The rotation each key has inside its node (p) stays (ours): a query-key angle
+        # depends on n - i - p. kv: per layer (K, V), each (B*n*S, Hkv, hd), rows in order
+        S = sum(nd.n_kept for nd in nodes[0])                # KVs kept per chunk, the same for all
         k_pos, q_pos = chunk_positions(self.scfg, B, n, kv[0][0].device, self.training)
         k_rope = q_rope = None
         if k_pos is not None:
@@ -672,13 +436,10 @@ class SharedLLM(nn.Module):
 
 
 def chunk_positions(scfg, B, n, device, training):
-    # The chunk-level position ids of Eq. 2 -> the keys' (B, n) and the queries' (B,), or Nones.
-    # "plain" (the paper): the keys of chunk i at i, every X_D query at n. "off": no ids (ablation).
-    # "random" (ours; plain at inference): in training, n distinct ids drawn from 0..span-1 and
-    #   sorted, the queries one past the last, with the span log-uniform in n..max_chunk_id. Dense
-    #   ids and every scale of distance up to max_chunk_id are seen, each octave as often, so
-    #   reading 64x more chunks than training saw meets no unseen distance (Ruoss et al., 2023:
-    #   randomized positional encodings).
+    # Eq. 2's chunk-level position ids -> the keys' (B, n), the queries' (B,); Nones for "off".
+    # "plain" (the paper): the keys of chunk i at i, the X_D queries at n. "random" (ours; plain
+    # at inference): in training, n sorted distinct ids below a span log-uniform in n..max_chunk_id,
+    # the queries one past the last: every scale of distance is seen (Ruoss et al., 2023).
     if scfg.chunk_ids == "off":
         return None, None
     if scfg.chunk_ids == "random" and training:
@@ -694,41 +455,30 @@ def chunk_positions(scfg, B, n, device, training):
     ids = torch.arange(n + 1, device=device)
     return ids[:n].expand(B, n), ids[n].expand(B)
 
-# -----------------------------------------------------------------------------
-# the lower model's pieces: LLaMA modules used as SharedLLM needs them
 
-
-def lower_kv(llama, tokens, n_layers, kept_at, kv0=None):
-    # The lower model on R nodes at once: the bottom n_layers blocks over tokens (R, L) at positions
-    # 0..L-1 (causal, no cross-attention) -> per layer its self-attention K (rotated) and V at the
-    # kept positions kept_at (R, n_kept): n_layers x (K, V), each (R, Hkv, n_kept, hd).
-    # kv0: the first layer's K, V over tokens, if already computed.
-    # Only the kept tokens' K/V leave the last block, so the block below it needs its output at
-    # the kept tokens alone: there only they get a query, attention and the MLP (K/V at every
-    # token, as the causal attention reads them all). The same numbers as running every block
-    # on every token (encode_nodes_reference, tested equal).
+def lower_kv(llama, tokens, n_layers, kept_at):
+    # The lower model's bottom n_layers blocks over R nodes (R, L) at positions 0..L-1 -> per layer
+    # its K (rotated) and V at kept_at (R, n_kept): (R, Hkv, n_kept, hd) each. Ours, for speed
+    # (tested equal): only kept K/V leave the last block, so the one below runs at kept tokens.
     L = tokens.shape[1]
     cos, sin = llama.rope(torch.arange(L, device=tokens.device))
-    cos_k, sin_k = cos[kept_at][:, None], sin[kept_at][:, None]          # (R, 1, n_kept, hd)
-    x, out = llama.tok_embeddings(tokens), []
+    rope_kept = cos[kept_at][:, None], sin[kept_at][:, None]             # (R, 1, n_kept, hd)
     at = kept_at[:, None, :, None]                                       # (R, 1, n_kept, 1)
     take = lambda t: t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3]))   # (R,Hkv,L,hd) -> kept
-    rows = lambda t: t.gather(1, kept_at[:, :, None].expand(-1, -1, t.shape[2]))  # (R,L,d) -> kept
+    at_kept = lambda t: t.gather(1, kept_at[:, :, None].expand(-1, -1, t.shape[2]))  # (R,L,d)->kept
+    x, out = llama.tok_embeddings(tokens), []
     for i, block in enumerate(llama.layers[:n_layers]):
-        att, given = block.attention, (kv0 if i == 0 else None)
-        if i == n_layers - 1:   # the last block's output is never used: only the kept tokens' K, V
-            if given is not None:
-                out.append((take(given[0]), take(given[1])))
-            else:   # x is already at the kept tokens, unless this is the only block
-                xk = rows(x) if n_layers == 1 else x                             # (R,n_kept,dim)
-                out.append(att.kv(block.attention_norm(xk), cos_k, sin_k))
+        att = block.attention
+        if i == n_layers - 1:   # the last block: only the kept tokens' K, V
+            xk = at_kept(x) if n_layers == 1 else x   # x is at the kept tokens, unless M = 1
+            out.append(att.kv(block.attention_norm(xk), *rope_kept))
             break
         h = block.attention_norm(x)   # the block's forward, written out to keep its K and V
-        k, v = att.kv(h, cos, sin) if given is None else given                   # (R, Hkv, L, hd)
-        if i == n_layers - 2:   # the next block reads this one at the kept tokens: queries there
-            q = att.query(rows(h), (cos_k, sin_k))                         # (R, Hq, n_kept, hd)
+        k, v = att.kv(h, cos, sin)                                               # (R, Hkv, L, hd)
+        if i == n_layers - 2:   # the next block reads this one at the kept tokens only
+            q = att.query(at_kept(h), rope_kept)                           # (R, Hq, n_kept, hd)
             sees = kept_at[:, None, :, None] >= torch.arange(L, device=x.device)   # R,1,n_kept,L
-            x = rows(x) + att.wo(merge_heads(attention(q, k, v, causal=False, mask=sees)))
+            x = at_kept(x) + att.wo(merge_heads(attention(q, k, v, causal=False, mask=sees)))
         else:
             x = x + att.wo(merge_heads(attention(att.query(h, (cos, sin)), k, v, causal=True)))
         x = x + block.feed_forward(block.ffn_norm(x))
@@ -736,108 +486,40 @@ def lower_kv(llama, tokens, n_layers, kept_at, kv0=None):
     return out
 
 
-def first_layer_kv(llama, tokens):
-    # The first layer's K (before RoPE) and V of every token of tokens (...): (..., Hkv, hd) each.
-    # The first layer reads the embedding, so these depend on the token alone; only K's rotation
-    # depends on where a sequence starts. The paper's search computes them once for all context
-    # tokens; the encoding then reuses them (sequence_kv).
-    att = llama.layers[0].attention
-    x = llama.layers[0].attention_norm(llama.tok_embeddings(tokens))
-    return [w(x).unflatten(-1, (att.n_kv_heads, att.head_dim)) for w in (att.wk, att.wv)]
-
-
-def sequence_kv(llama, k, v):
-    # the first layer's K (not rotated) and V of R sequences, (R, L, Hkv, hd) each, as attention
-    # reads them when each sequence starts at position 0: (R, Hkv, L, hd) each, K rotated to 0..L-1
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    return apply_rope(k, *llama.rope(torch.arange(k.shape[2], device=k.device))), v
-
-
-def retrieval_vector_reference(llama, span):
-    # The vector the paper's search compares, the obvious way: the span (L,) read as a sequence of
-    # its own by the first block, then the final norm, at its last position -> (dim,). (The paper
-    # says "one self-attention layer"; the released code's vector also went through the MLP and
-    # the norm, and so does this one.)
-    pos = torch.arange(len(span), device=span.device)
-    x = llama.layers[0](llama.tok_embeddings(span[None]), llama.rope(pos))
-    return llama.norm(x)[0, -1]
-
-
-def retrieval_vector(llama, tokens, ends, starts=None, kv=None):
-    # retrieval_vector_reference for many spans at once (tested equal to it). tokens (R, L): token
-    # rows; ends, starts (R, n_spans): spans [start, end] per row, both INCLUSIVE (a tree.Node's end
-    # is exclusive; starts None = 0) -> (R, n_spans, dim). Only the span's last position is needed,
-    # so only it gets a query, attention and the MLP. kv: the first layer's K (rotated at 0..L-1)
-    # and V of the rows, if already computed.
-    R, n_spans = ends.shape
-    layer, att = llama.layers[0], llama.layers[0].attention
-    if kv is None:
-        kv = sequence_kv(llama, *first_layer_kv(llama, tokens))                 # (R, Hkv, L, hd)
-    k, v = kv
-    x = llama.tok_embeddings(tokens.gather(1, ends))                            # (R, n_spans, dim)
-    cos, sin = llama.rope(ends)                                                 # (R, n_spans, hd)
-    # grouped-query attention: query head h = kv_head * G + g, so the Hq query heads split as
-    # (Hkv, G), and the G heads of a group (for every span) share that kv head's keys
-    q = att.wq(layer.attention_norm(x)).view(R, n_spans, att.n_kv_heads, -1, att.head_dim)
-    q = q.transpose(1, 2)                                   # (R, Hkv, n_spans, G, hd), G = Hq/Hkv
-    q = apply_rope(q, cos[:, None, :, None], sin[:, None, :, None])
-    # one query per span: a plain softmax over its own keys, in fp32
-    scores = (q.float().flatten(2, 3) @ k.float().transpose(-2, -1))
-    scores = scores.unflatten(2, q.shape[2:4])                           # (R, Hkv, n_spans, G, L)
-    pos = torch.arange(k.shape[2], device=tokens.device)
-    lo = 0 if starts is None else starts[..., None]
-    outside = (pos > ends[..., None]) | (pos < lo)                               # (R, n_spans, L)
-    scores = scores.masked_fill(outside[:, None, :, None], float("-inf")) / math.sqrt(att.head_dim)
-    y = (scores.softmax(dim=-1).flatten(2, 3) @ v.float()).unflatten(2, q.shape[2:4])
-    y = y.permute(0, 2, 1, 3, 4).reshape(R, n_spans, -1)                        # heads in order
-    x = x + att.wo(y.to(x.dtype))
-    return llama.norm(x + layer.feed_forward(layer.ffn_norm(x)))
+def hidden_vectors(llama, tokens, lengths):
+    # The paper's h (Sec. 3.2): "a short forward pass through one self-attention layer", at the
+    # last position; here the first block with its MLP (as released) and the final norm.
+    # tokens: (R, L), right-padded; lengths: (R,) -> (R, dim)
+    x = llama.tok_embeddings(tokens)
+    x = llama.layers[0](x, llama.rope(torch.arange(tokens.shape[1], device=tokens.device)))
+    return llama.norm(x[torch.arange(len(x), device=x.device), lengths - 1])
 
 
 def to_device(values, device):
-    # a small index list made on the host, sent without waiting for the device: torch.tensor(values,
-    # device="cuda") would first wait for all queued GPU work (a host sync per level and call)
+    # a host list sent without waiting for queued GPU work (as torch.tensor(.., device=) would)
     return torch.tensor(values).to(device, non_blocking=True)
 
 
 def gather_spans(rows, row_ids, spans):
-    # rows: (R0, C) token ids; spans[i] = (start, end) inside rows[row_ids[i]] -> (R, L) tokens,
-    # right-padded by repeating each span's last token (harmless: every consumer is causal and reads
-    # only real positions), and the (R, L) positions of those tokens in rows.flatten() (to gather
-    # anything kept per context token alike).
+    # rows: (R0, C) tokens; spans[i] = (start, end) in rows[row_ids[i]] -> (R, L) tokens, padded
+    # by repeating each span's last token (every reader is causal: padding changes nothing)
     dev, C = rows.device, rows.shape[1]
     lens = [e - s for s, e in spans]
     starts = to_device([r * C + s for r, (s, _) in zip(row_ids, spans)], dev)
     steps = torch.arange(max(lens), device=dev)[None]
     at = starts[:, None] + torch.minimum(steps, to_device(lens, dev)[:, None] - 1)
-    return rows.reshape(-1)[at], at
+    return rows.reshape(-1)[at]
 
 
-def frozen_copy(llama, m):
-    # lower="copy": the lower model as its own frozen copy of the embedding, the bottom m blocks and
-    # the final norm (retrieval_vector reads it): training the upper model leaves it as it was
-    lower = copy.deepcopy(llama)
-    lower.layers, lower.output = lower.layers[:m], None
-    return lower.requires_grad_(False)
-
-# -----------------------------------------------------------------------------
-# The search beyond the paper, every recipe's (SharedConfig.policy = "continuation")
-
-
-MATCH_MAX = 8   # a match counts at most 8 tokens: longer ones are as rare (16 bytes of
-                # "The pass key is " already match 8; SmolLM2 tokenizes it as 5)
+MATCH_MAX = 8   # a match counts at most 8 tokens: longer ones are as rare
 
 
 def continuation_policy(rows, idx, query_len):
-    # Step 1 with another similarity (ours). The paper compares the question's first-layer vector
-    # with each child's; on a pretrained model that vector reads mostly one token, and the search
-    # is then no better than chance (docs/experiments.md). This one is lexical and has no weights:
-    # where the question's last words stand in X_C, what follows them is what it asks for
-    # ("... The pass key is" -> the key), as an induction head reads it. Position p of X_C scores
-    # the length of the longest run of the question's last tokens that ends right before p
-    # (across chunk borders; at most MATCH_MAX). Each tree expands the child holding the higher
-    # best score; a tie (text with no match, or no question) goes right, as the paper's LM does.
-    # rows: (R, C), R = B*n; idx: (B, T); query_len: (B,) on the host -> decide
+    # Step 1, ours (every recipe's), no weights: what follows the question's last words in X_C
+    # is what it asks for ("... The pass key is" -> the key), as an induction head reads it. Each
+    # position p scores the longest run of the question's last tokens ending right before p
+    # (across chunk borders, at most MATCH_MAX); each tree selects the child with the higher best
+    # score, a tie (no match, no question) the right one. rows: (B*n, C); idx: (B, T) -> select
     (R, C), B = rows.shape, idx.shape[0]
     n, q_len = R // B, query_len.to(idx.device)
     seq = rows.reshape(B, n * C)                               # each sample's X_C in order
@@ -851,10 +533,9 @@ def continuation_policy(rows, idx, query_len):
     match = match.view(R, C)                                   # no question: 0 everywhere
     pos = torch.arange(C, device=rows.device)                  # (C,) positions in a chunk
 
-    def decide(level, lefts, rights):   # per tree, its children's (start, end) -> expand right?
+    def select(lefts, rights):   # each tree's two children, (start, end) each
         spans = to_device([[*lf, *rt] for lf, rt in zip(lefts, rights)], rows.device)  # (R, 4)
-        def best(start, end):           # (R,) the best score inside [start, end) of each row
-            inside = (pos >= start[:, None]) & (pos < end[:, None])                   # (R, C)
-            return match.masked_fill(~inside, -1).amax(1)
-        return (best(spans[:, 2], spans[:, 3]) >= best(spans[:, 0], spans[:, 1])).tolist()
-    return decide
+        inside = (pos >= spans[:, 0::2, None]) & (pos < spans[:, 1::2, None])      # (R, 2, C)
+        best = match[:, None].masked_fill(~inside, -1).amax(-1)     # (R, 2): each child's best
+        return (best[:, 1] >= best[:, 0]).tolist()
+    return select

@@ -66,10 +66,10 @@ def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, injec
         y = 4.9 - 0.75 * nd.level
         a, b = x0 + w * nd.start / C, x0 + w * nd.end / C
         ax.add_patch(Rectangle((a, y), b - a, 0.3, fc=LEVEL_COLORS[nd.level % len(LEVEL_COLORS)], ec="k", lw=0.5, alpha=0.85))
-        for p in tree.keep_index(len(nd), nd.kept, keep):
+        for p in tree.kept_positions(len(nd), nd.n_kept, keep):
             xp = x0 + w * (nd.start + p + 0.5) / C
             ax.plot([xp, xp], [y + 0.3, y + 0.42], color="k", lw=0.8)
-        label = f"{len(nd)} tokens: {nd.kept} KVs" if b - a > 1.3 else f"{len(nd)}: {nd.kept}"   # narrow leaves: short
+        label = f"{len(nd)} tokens: {nd.n_kept} KVs" if b - a > 1.3 else f"{len(nd)}: {nd.n_kept}"   # narrow leaves: short
         ax.text((a + b) / 2, y - 0.05, label, fontsize=7, ha="center", va="top")
         if nd.level < height:
             lo, hi = (nd.end, hi) if nd.start == lo else (lo, nd.start)

@@ -19,6 +19,8 @@ import time
 import torch
 
 import data
+import decode
+import model as M
 import plots
 import tree
 from configurator import auto_device, check_ranges, config_of, package_path, parse_overrides
@@ -96,12 +98,13 @@ def cross_attention_picture(model, memory, idx, path, key_chunk, mentions):
     model.upper(idx, memory=memory)
     for h in hooks:
         h.remove()
-    S = sum(nd.kept for nd in memory.nodes[0])                          # compressed KVs per chunk
+    S = sum(nd.n_kept for nd in memory.nodes[0])                          # compressed KVs per chunk
     weights = []
-    for i, (x, cross) in sorted(inputs.items()):
-        ca, q_rope = model.upper.layers[i].cross_attention, cross.q_rope
-        q = ca.queries(x[:1, -1:], None if q_rope is None else [t[:1, :, -1:] for t in q_rope])[0, :, 0]   # (Hq, hd)
-        k = cross.k[0].repeat_interleave(q.shape[0] // cross.k.shape[1], dim=0)                    # (Hq, n*S, hd)
+    for i, (x, k, v, q_rope) in sorted(inputs.items()):   # CrossAttention.forward's arguments
+        ca = model.upper.layers[i].cross_attention
+        q = M.split_heads(ca.wq(x[:1, -1:]), ca.n_heads, ca.head_dim)              # the last query: (1, Hq, 1, hd)
+        q = (q if q_rope is None else M.apply_rope(q, *[t[:1] for t in q_rope]))[0, :, 0]           # (Hq, hd)
+        k = k[0].repeat_interleave(q.shape[0] // k.shape[1], dim=0)                                  # (Hq, n*S, hd)
         weights.append(((k.float() @ q.float()[:, :, None])[..., 0] / q.shape[-1] ** 0.5).softmax(-1))   # (Hq, n*S)
     key_nodes = mention_nodes(memory.nodes, model.scfg.chunk_size, S, mentions or [])
     for j, w in enumerate(weights):
@@ -126,10 +129,10 @@ def mention_nodes(nodes, C, S, mentions):
             held = [m + 1 for m, (a, b) in enumerate(mentions) if a < c * C + nd.end and c * C + nd.start < b]
             if held:
                 which = f"mention {held[0]}" if len(held) == 1 else "mentions " + " and ".join(map(str, held))
-                kvs = f"KV {first}" if nd.kept == 1 else f"KVs {first}-{first + nd.kept - 1}"
+                kvs = f"KV {first}" if nd.n_kept == 1 else f"KVs {first}-{first + nd.n_kept - 1}"
                 out.append((f"{which} of the key: chunk {c}'s node [{nd.start}, {nd.end}) = {kvs}",
-                            list(range(first, first + nd.kept))))
-            first += nd.kept
+                            list(range(first, first + nd.n_kept))))
+            first += nd.n_kept
     return out
 
 
@@ -273,8 +276,8 @@ def stream_answer(g, model, tok, idx, memory, answer):
     sys.stdout.write(tok.decode(idx[0].tolist()))
     out, shown, t1 = [], "", None
     t0 = time.perf_counter()
-    for nxt in model.upper.stream(idx, new, memory=memory, temperature=g["temperature"], top_k=g["top_k"] or None,
-                                  top_p=g["top_p"] if g["top_p"] < 1.0 else None, eos_id=tok.eos_id):
+    for nxt in decode.stream(model.upper, idx, new, memory=memory, temperature=g["temperature"],
+                             top_k=g["top_k"] or None, top_p=g["top_p"] if g["top_p"] < 1.0 else None, eos_id=tok.eos_id):
         t1 = t1 or time.perf_counter()   # the first token comes after the prefill
         out.append(nxt.item())
         full = tok.decode(out).rstrip("\ufffd")   # hold back a character whose bytes have not all arrived yet

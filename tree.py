@@ -1,28 +1,28 @@
 """
 The context tree of SharedLLM (paper Sec. 3.2, Algorithm 1), as plain Python on integer spans.
 
-Each context chunk C_i (length C) is the root of a binary tree. Walking down from the root, a node
-of length l is split into left/right at b = floor(l/2 - eps) (eps ~ N(0, sigma^2) in training, 0 at
-evaluation). A policy picks the child to EXPAND; the other child is PRESERVED. At the last level
-(height h) both children are preserved. For h = 3 and "always right" (language modeling):
+Each context chunk (C tokens) is the root of a binary tree. Walking down from the root, a node of
+l tokens is split into a left and a right child at b = floor(l/2 - eps) (Eq. 1; in training eps ~
+N(0, (sigma l)^2), 0 at evaluation). A policy pi SELECTS one child, which is split again at the
+next level; the other child is PRESERVED. At the last level (h) both children are preserved. The
+root is always selected. For h = 3 and a policy that always selects the right child (language
+modeling):
 
-    [0 ............................... 1024)              root: always expanded
+    [0 ............................... 1024)              root: selected
     [0 ........ 512) preserved   [512 ........... 1024)    level 1
                      [512 .. 768) preserved  [768 .. 1024) level 2
                                   [768..896) [896..1024)   level 3: both preserved
 
-Every preserved node keeps a few of its key/value states, evenly strided. Coarse nodes are
-compressed more than fine ones: the node's compression ratio alpha = l / l' (tokens / KVs kept)
-halves at each level down (alpha_w = 2 alpha_(w+1)), which with C=1024, h=3, beta=8 is 32 KVs from
-each of 512 / 256 / 128 / 128 tokens: alpha = 16, 8, 4 (the paper's table prints the fractions
-kept, 1/16, 1/8, 1/4).
-Overall compression beta = C / (KVs kept per chunk). The split noise applies at every level, the
-leaves' split too (Eq. 1: "any non-leaf node"; Algorithm 1's pseudocode halves the last node
-exactly).
+Every preserved node KEEPS a few of its key/value states, evenly strided. Coarse nodes are
+compressed more than fine ones: the ratio alpha = l / l' (tokens / KVs kept) halves at each level
+down (alpha_w = 2 alpha_(w+1)). With C = 1024, h = 3, beta = 8 that is 32 KVs from each of 512 /
+256 / 128 / 128 tokens: alpha = 16, 8, 4 (the paper's table prints the fractions kept, 1/16, 1/8,
+1/4). The overall compression is beta = C / (KVs kept per chunk).
 
-This file only decides WHICH spans are kept and HOW MANY KVs each keeps. The neural work (encoding
-spans with the lower model, the query-aware similarity) lives in model.py: it passes `decide` in.
-Run `python tree.py` for annotated examples.
+Words, one meaning each: a level is a depth below the root (1 .. h); selected = split further;
+preserved = encoded by the lower model; kept = the KVs a preserved node contributes.
+This file decides WHICH spans are preserved and HOW MANY KVs each keeps; the neural work lives in
+model.py, which passes the policy in as `select`. Run `python tree.py` for annotated examples.
 """
 import math
 import random
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 @dataclass
 class Node:
-    start: int   # span [start, end) inside the chunk
+    start: int    # span [start, end) inside the chunk
     end: int
-    level: int   # 1 = children of the root, h = leaves
-    kept: int    # number of KV states this node contributes
+    level: int    # 1 = children of the root, h = leaves
+    n_kept: int   # how many KVs this preserved node keeps
 
     def __len__(self):
         return self.end - self.start
@@ -83,11 +83,11 @@ def min_length(budget, height):
     return need
 
 
-def keep_index(length, k, where="last"):
-    """k positions out of a node of `length` tokens: one per stride window [j*l/k, (j+1)*l/k).
-    'last' keeps each window's last token: the lower model is causal, so from its second layer up
-    that token has seen the whole window (the first layer's K/V are the token's own). 'first'
-    keeps the first (what the released code does: the tail of each node is never seen)."""
+def kept_positions(length, k, where="last"):
+    """The k positions whose KVs a node of `length` tokens keeps: one per stride window
+    [j*l/k, (j+1)*l/k). 'last' keeps each window's last token (ours): the lower model is causal,
+    so from its second layer up that token has seen the whole window. 'first' keeps the first
+    (what the released code does: the tail of each node is never seen)."""
     assert 1 <= k <= length, f"cannot keep {k} KVs from a node of {length} tokens"
     if where == "last":
         return [(j + 1) * length // k - 1 for j in range(k)]
@@ -95,30 +95,29 @@ def keep_index(length, k, where="last"):
     return [j * length // k for j in range(k)]
 
 
-def search(n_chunks, chunk_size, height, beta, decide=None, noise=0.0, rng=None):
-    """Split-and-search over n_chunks trees at once.
-    Returns, per chunk, its preserved nodes in text order.
-    decide(level, lefts, rights) -> list of bool (True = expand the right child) for all chunks
-    together; None means "always right" (language modeling).
-    noise: sigma = l / noise, l the length of the node being split (0 = exact halves).
-    One standard normal draw per level is shared by all chunks (Algorithm 1's randn(1)), scaled by
-    each chunk's own l: after a noisy split the nodes being split differ in length from chunk to
-    chunk."""
+def search(n_chunks, chunk_size, height, beta, select=None, sigma=0.0, rng=None):
+    """Split-and-search (Algorithm 1) over n_chunks trees at once -> per chunk, its preserved
+    Nodes in text order. select(lefts, rights): the policy pi at one level, given each chunk's
+    children as (start, end) -> per chunk True if the right child is selected; None: always right
+    (the paper's language modeling). sigma: the split noise's spread as a fraction of the length l
+    of the node being split: 0.2 is Table 5's l/5 (LM), 0.1 its l/10 (SFT), 0 exact halves.
+    Algorithm 1 writes half_length / gamma, so its gamma is Table 5's divisor halved. One normal
+    draw per level is shared by all chunks (its randn(1)); the last split is noisy too (Eq. 1:
+    "any non-leaf node"; Algorithm 1 halves it exactly)."""
     budget = node_budget(chunk_size, height, beta)
     need = min_length(budget, height)
     rng = rng or random
-    current = [(0, chunk_size)] * n_chunks             # the node being expanded, per chunk
+    selected = [(0, chunk_size)] * n_chunks            # the node being split, per chunk: the root
     preserved = [[] for _ in range(n_chunks)]
     for level in range(1, height + 1):
-        z = rng.gauss(0.0, 1.0) if noise > 0 else 0.0  # this level's draw, shared by all chunks
+        z = rng.gauss(0.0, 1.0) if sigma > 0 else 0.0  # this level's draw, shared by all chunks
         lefts, rights = [], []
-        for s, e in current:
+        for s, e in selected:
             lo, hi = need[level], (e - s) - need[level]
             assert lo <= hi, f"node [{s},{e}) too short to split at level {level} (needs 2x{lo})"
-            # eps ~ N(0, sigma^2) (Eq. 1), sigma = l / noise (the paper's Table 5: l/5, l/10).
-            eps = z * (e - s) / noise if noise > 0 else 0.0
-            # b clamped to [need, l - need]: both children can hold their KVs and split again
-            # (at beta 1 or 2 the clamp leaves no room: no noise).
+            eps = z * sigma * (e - s)                  # eps ~ N(0, (sigma l)^2), Eq. 1
+            # b clamped to [lo, hi] (ours): both children can hold their KVs and split again
+            # (at beta 1 or 2 the clamp leaves no room: no noise)
             b = min(max(math.floor((e - s) / 2 - eps), lo), hi)
             lefts.append((s, s + b))
             rights.append((s + b, e))
@@ -127,62 +126,61 @@ def search(n_chunks, chunk_size, height, beta, decide=None, noise=0.0, rng=None)
                 preserved[i] += [Node(*lefts[i], level, budget[level]),
                                  Node(*rights[i], level, budget[level])]
             break
-        go_right = [True] * n_chunks if decide is None else list(decide(level, lefts, rights))
-        assert len(go_right) == n_chunks, (
-            f"decide returned {len(go_right)} choices for {n_chunks} chunks")
+        right = [True] * n_chunks if select is None else list(select(lefts, rights))
+        assert len(right) == n_chunks, f"select returned {len(right)} choices for {n_chunks} chunks"
         for i in range(n_chunks):
-            kept_span, current[i] = (lefts[i], rights[i]) if go_right[i] else (rights[i], lefts[i])
-            preserved[i].append(Node(*kept_span, level, budget[level]))
-    # Invariants: spans tile the chunk, no gap, no overlap.
-    for nodes in preserved:
+            selected[i], other = (rights[i], lefts[i]) if right[i] else (lefts[i], rights[i])
+            preserved[i].append(Node(*other, level, budget[level]))
+    for nodes in preserved:   # text order (tests/test_tree.py: they tile the chunk)
         nodes.sort(key=lambda nd: nd.start)
-        assert nodes[0].start == 0 and nodes[-1].end == chunk_size
-        assert all(a.end == b.start for a, b in zip(nodes, nodes[1:]))
-        assert all(1 <= nd.kept <= len(nd) for nd in nodes)
     return preserved
 
 
 def describe(nodes, chunk_size, keep="last"):
     """An annotated text picture of one chunk's preserved nodes."""
-    kept = sum(nd.kept for nd in nodes)
+    total = sum(nd.n_kept for nd in nodes)
     lines = []
     for nd in sorted(nodes, key=lambda nd: (nd.level, nd.start)):
-        idx = keep_index(len(nd), nd.kept, keep)
-        shown = ", ".join(str(nd.start + i) for i in idx[:3]) + (", ..." if len(idx) > 3 else "")
+        at = kept_positions(len(nd), nd.n_kept, keep)
+        shown = ", ".join(str(nd.start + i) for i in at[:3]) + (", ..." if len(at) > 3 else "")
         lines.append(f"  {'  ' * (nd.level - 1)}level {nd.level}: "
                      f"[{nd.start:5d}, {nd.end:5d})  {len(nd):5d} tokens"
-                     f" -> {nd.kept:4d} KVs (ratio 1/{len(nd) / nd.kept:g})  keeps {shown}")
-    lines.append(f"  {len(nodes)} preserved nodes, {kept} KVs for {chunk_size} tokens: "
-                 f"beta = {chunk_size / kept:g}")
+                     f" -> {nd.n_kept:4d} KVs (ratio 1/{len(nd) / nd.n_kept:.3g})  keeps {shown}")
+    lines.append(f"  {len(nodes)} preserved nodes, {total} KVs for {chunk_size} tokens: "
+                 f"beta = {chunk_size / total:g}")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     C, h, beta = 1024, 3, 8
-    print(f"chunk_size C={C}, height h={h}, beta={beta}, policy 'right' (language modeling):")
+    print(f"chunk_size C={C}, height h={h}, beta={beta}, the right child always selected "
+          "(language modeling):")
     nodes = search(1, C, h, beta)[0]
     print(describe(nodes, C))
-    assert [(nd.start, nd.end, nd.kept) for nd in nodes] == [
+    assert [(nd.start, nd.end, nd.n_kept) for nd in nodes] == [
         (0, 512, 32), (512, 768, 32), (768, 896, 32), (896, 1024, 32)]
 
-    needle = 300   # pretend the query is about the token at position 300: a policy that follows it
-    decide = lambda level, lefts, rights: [not (l[0] <= needle < l[1]) for l in lefts]
-    print(f"\npolicy 'query' steered toward token {needle} "
-          "(the query resembles that part of the chunk):")
-    print(describe(search(1, C, h, beta, decide)[0], C))
+    needle = 300   # a policy that selects the child holding token 300 (what a question asks for)
+    select = lambda lefts, rights: [not (lf[0] <= needle < lf[1]) for lf in lefts]
+    print(f"\na policy that selects the child holding token {needle}:")
+    print(describe(search(1, C, h, beta, select)[0], C))
 
-    print("\ntraining-time noise (sigma = l/5), one eps per level shared by all chunks, seed 0:")
-    print(describe(search(1, C, h, beta, noise=5.0, rng=random.Random(0))[0], C))
+    print("\ntraining-time split noise, sigma = 0.2 (the paper's l/5), seed 0:")
+    print(describe(search(1, C, h, beta, sigma=0.2, rng=random.Random(0))[0], C))
+    print("  Every node of a level keeps the same count, so a noisy split moves the ratios too:\n"
+          "  here level 2 (549 tokens) ends up coarser than level 1 (319). Coarse-to-fine holds\n"
+          "  on average over the draws, not on every one; the evaluation splits exactly.")
 
     print("\nbeta 2: no level-wise scheme fits (the leaves would keep every token), "
           "so every level keeps 1 in 2:")
     nodes = search(1, C, h, 2)[0]
     print(describe(nodes, C))
-    assert [len(nd) / nd.kept for nd in nodes] == [2, 2, 2, 2]
+    assert [len(nd) / nd.n_kept for nd in nodes] == [2, 2, 2, 2]
 
     print("\nother shapes (beta as measured):")
     for C2, h2, b2 in [(1024, 2, 8), (1024, 4, 8), (1024, 3, 1), (1024, 3, 16),
                        (128, 3, 2), (128, 3, 8), (100, 3, 8)]:
         nodes = search(1, C2, h2, b2)[0]
+        kvs = [nd.n_kept for nd in nodes]
         print(f"  C={C2:5d} h={h2} beta={b2:2d}: spans {[(nd.start, nd.end) for nd in nodes]}"
-              f" KVs {[nd.kept for nd in nodes]} -> beta {C2 / sum(nd.kept for nd in nodes):.3g}")
+              f" KVs {kvs} -> beta {C2 / sum(kvs):.3g}")

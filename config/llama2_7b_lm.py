@@ -14,7 +14,7 @@ chunk_schedule = ""          # no toy curricula
 beta_schedule = ""
 height = 3
 beta = 8
-noise = 5.0                  # split noise sigma = l / 5 (Table 6)
+sigma = 0.2                  # split noise sigma = l / 5 (Table 5)
 train = "cross"
 context_dropout = 0.0        # the frozen upper model already works without X_C
 batch_size = 1

@@ -20,7 +20,7 @@ chunk_schedule = ""          # no toy curricula
 beta_schedule = ""
 height = 3
 beta = 8
-noise = 10.0                 # sigma = l / 10 (Table 6)
+sigma = 0.1                  # sigma = l / 10 (Table 5)
 train = "cross"
 batch_size = 1
 gradient_accumulation_steps = 8

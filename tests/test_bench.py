@@ -10,6 +10,7 @@ import bench
 import model as M
 from configurator import config_of, parse_overrides
 from conftest import ROOT
+from load_llama import PRESETS, preset
 from test_train import run
 
 
@@ -31,7 +32,7 @@ def test_bench_quick_json_and_budget(tmp_path):
 
 
 def test_compressed_kv_size_and_flops_match_the_model():
-    m = M.SharedLLM.from_llama(M.Llama(M.preset("tiny")), n_lower=2, chunk_size=256, height=3, beta=8).eval()
+    m = M.SharedLLM.from_llama(M.Llama(preset("tiny")), n_lower=2, chunk_size=256, height=3, beta=8).eval()
     with torch.no_grad():
         mem = m.compress(torch.randint(0, 258, (1, 3, 256)), torch.randint(0, 258, (1, 8)))
     kv_bytes = sum(t.numel() * t.element_size() for K, V in mem.kv for t in (K, V))
@@ -55,7 +56,7 @@ def test_bench_shape_reads_only_a_config(tmp_path, capsys):
                      f"--shape={tmp_path / 'shape'}"], cfg, bench.__file__)
     res = bench.main(cfg)
     assert "3 layers, dim 48, heads 6/2" in capsys.readouterr().out and res["retrieval_overhead_pct"]["continuation"] > -100
-    assert "smollm2-135m" in M.PRESETS and M.preset("smollm2-135m").n_kv_heads == 3
+    assert "smollm2-135m" in PRESETS and preset("smollm2-135m").n_kv_heads == 3
     for args, msg in [(["--shape=nowhere"], "--shape=nowhere: neither a model preset"),
                       ([f"--shape={tmp_path / 'shape'}", "--init_from=out"], "give one"),
                       (["--lengths=0"], "--lengths=0: expected positive integers"),
@@ -76,7 +77,7 @@ def test_bench_shape_reads_only_a_config(tmp_path, capsys):
 def test_full_attention_scores_the_same_positions_as_sharedllm(monkeypatch):
     # full attention reads X_C + X_D but, like SharedLLM, computes logits only for X_D's T positions: its time and
     # memory must not include (L + T) x vocab logits that SharedLLM never computes
-    m = M.SharedLLM.from_llama(M.Llama(M.preset("tiny")), n_lower=2, chunk_size=256, height=3, beta=8).eval()
+    m = M.SharedLLM.from_llama(M.Llama(preset("tiny")), n_lower=2, chunk_size=256, height=3, beta=8).eval()
     ctx, idx = bench.random_inputs(m, torch.Generator().manual_seed(0), 512, 8, "cpu")
     with torch.no_grad():
         shared = m(ctx, idx)[0].shape                           # (1, T, vocab)

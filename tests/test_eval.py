@@ -359,6 +359,21 @@ def test_a_checkpoint_with_a_retired_setting_is_named_and_read_with_todays(micro
     assert "read without it" in capsys.readouterr().out
 
 
+def test_a_checkpoint_from_before_the_renames_loads_with_the_same_settings(micro_ckpt, tmp_path):
+    # older checkpoints said noise = gamma (sigma = l / gamma; now sigma is the fraction itself) and chunk_ids True /
+    # False: they load as sigma = 1 / gamma (0: off) and "plain" / "off", and resume compares them as such
+    from checkpoint import load_sharedllm
+    ck = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
+    for old, want in [(dict(noise=5.0, chunk_ids=True), dict(sigma=0.2, chunk_ids="plain")),
+                      (dict(noise=0.0, chunk_ids=False), dict(sigma=0.0, chunk_ids="off"))]:
+        shared = {k: v for k, v in ck["model_args"]["shared"].items() if k != "sigma"}
+        d = tmp_path / str(old["chunk_ids"])
+        os.makedirs(d)
+        torch.save({**ck, "model_args": {**ck["model_args"], "shared": {**shared, **old}}}, d / "ckpt.pt")
+        model = load_sharedllm(str(d))[0]
+        assert {k: getattr(model.scfg, k) for k in want} == want
+
+
 def test_full_attention_of_a_model_trained_from_scratch_says_what_it_is(micro_ckpt, capsys, tmp_path, monkeypatch):
     # no unchanged base exists: the column is labelled as this checkpoint's own (trained) upper model
     monkeypatch.chdir(tmp_path)   # its heatmap, passkey.png, goes to the working folder

@@ -23,7 +23,7 @@ def test_smoke_train_resume_sample_eval_with_light_checkpoints(tmp_path, capsys)
     common = [f"--init_from={ck}", "--train=cross", "--task=lm", f"--data_dir={docs}", "--n_lower=1", "--chunk_size=32",
               "--n_chunks=2", "--chunk_schedule=", "--beta_schedule=", "--block_size=32", "--batch_size=2", "--max_iters=4",
               "--eval_interval=2", "--eval_iters=1", "--eval_chunks=2", "--final_eval_chunks=", "--final_eval_iters=0", "--context_dropout=0",
-              "--noise=5", "--warmup_iters=1", "--device=cpu", "--log_interval=1"]
+              "--sigma=0.2", "--warmup_iters=1", "--device=cpu", "--log_interval=1"]
     full, part = tmp_path / "full", tmp_path / "part"
     train_in_process(common + [f"--out_dir={full}"], tmp_path)
     train_in_process(common + [f"--out_dir={part}", "--stop_iter=2"], tmp_path)

@@ -20,8 +20,9 @@ SCRIPTS = {"train", "sample", "eval", "bench", "seeds"}
 ALLOWED = {
     "tree": set(),
     "model": {"tree"},
+    "decode": set(),     # KV-cache decoding of any model.Llama
     "tokenizer": set(),
-    "load_llama": {"model", "tokenizer"},
+    "load_llama": {"model", "tokenizer", "decode"},   # decode: its smoke test
     "checkpoint": {"load_llama", "model", "tokenizer"},
     "configurator": set(),
     "data": set(),

@@ -4,9 +4,24 @@ import os
 import pytest
 import torch
 
+import decode
 import model as M
 from conftest import make_hf_checkpoint, rel_err, tiny_tiktoken_file
-from load_llama import load_llama
+from load_llama import load_llama, preset
+
+
+def manual_attention(q, k, v, causal, mask=None):
+    # the readable oracle of model.attention: softmax(q k^T / sqrt(d)) v in fp32, GQA by repeating K/V;
+    # causal with Tq < Tk: the queries are the last Tq positions
+    Tq, Tk = q.shape[2], k.shape[2]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)   # (B, Hq, Tk, hd)
+    att = (q.float() @ k.float().transpose(-2, -1)) / q.shape[-1] ** 0.5      # (B, Hq, Tq, Tk)
+    if causal:
+        mask = torch.ones(Tq, Tk, dtype=torch.bool).tril(diagonal=Tk - Tq)
+    if mask is not None:
+        att = att.masked_fill(~mask, float("-inf"))
+    return (att.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
@@ -57,7 +72,7 @@ def test_tied_embeddings_one_tensor_parity_and_checkpoint(tmp_path):
 
 
 def test_logits_for_the_last_positions_only(tmp_path):
-    m = M.Llama(M.preset("micro")).eval()
+    m = M.Llama(preset("micro")).eval()
     idx = torch.randint(0, 258, (2, 40))
     with torch.no_grad():
         assert torch.equal(m(idx, last=7)[0], m(idx)[0][:, -7:])
@@ -140,27 +155,26 @@ def test_attention_backends_agree(case):
     q, k, v = torch.randn(2, hq, tq, 16), torch.randn(2, hkv, tk, 16), torch.randn(2, hkv, tk, 16)
     causal = "causal" in case
     a = M.attention(q, k, v, causal, backend="sdpa")
-    b = M.attention(q, k, v, causal, backend="manual")
+    b = manual_attention(q, k, v, causal)
     assert rel_err(b, a) < 1e-5
     if case == "causal_cached":   # the last query sees every key; the first one misses the last two
-        full = M.attention(q[:, :, -1:], k, v, False, backend="manual")
+        full = manual_attention(q[:, :, -1:], k, v, False)
         assert rel_err(full, b[:, :, -1:]) < 1e-5
-        assert rel_err(M.attention(q[:, :, :1], k[:, :, :8], v[:, :, :8], False, backend="manual"), b[:, :, :1]) < 1e-5
+        assert rel_err(manual_attention(q[:, :, :1], k[:, :, :8], v[:, :, :8], False), b[:, :, :1]) < 1e-5
 
 
 def test_a_masked_query_reads_exactly_its_allowed_keys():
     # attention(mask=) (lower_kv: a kept token's query reads the keys up to its own position): the same as the plain
-    # softmax over those keys alone, with SDPA and the manual path, GQA included
+    # softmax over those keys alone (the oracle, and the oracle with the mask too), GQA included
     q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
     upto = torch.tensor([[1, 5, 9], [0, 4, 7]])                                 # each query's own position
     mask = (upto[:, None, :, None] >= torch.arange(10))                         # (2, 1, 3, 10)
-    for backend in ("sdpa", "manual"):
-        y = M.attention(q, k, v, False, backend=backend, mask=mask)
+    for name, y in [("sdpa", M.attention(q, k, v, False, mask=mask)), ("oracle", manual_attention(q, k, v, False, mask))]:
         for b in range(2):
             for j in range(3):
                 e = upto[b, j] + 1
-                alone = M.attention(q[b:b + 1, :, j:j + 1], k[b:b + 1, :, :e], v[b:b + 1, :, :e], False, backend="manual")
-                assert rel_err(alone, y[b:b + 1, :, j:j + 1]) < 1e-5, (backend, b, j)
+                alone = manual_attention(q[b:b + 1, :, j:j + 1], k[b:b + 1, :, :e], v[b:b + 1, :, :e], False)
+                assert rel_err(alone, y[b:b + 1, :, j:j + 1]) < 1e-5, (name, b, j)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or M.flash_attn_func is None, reason="needs CUDA and flash-attn")
@@ -175,18 +189,18 @@ def test_flash_matches_sdpa():
 
 def test_kv_cache_matches_full_forward():
     torch.manual_seed(0)
-    m = M.Llama(M.preset("micro")).eval()
+    m = M.Llama(preset("micro")).eval()
     idx = torch.randint(0, 258, (2, 24))
     with torch.no_grad():
         full, _ = m(idx)
-        caches = m.new_caches(2, 24)
+        caches = decode.new_caches(m, 2, 24)
         step = [m(idx[:, :10], caches=caches)[0]]                 # prefill 10 tokens
         for t in range(10, 24):                                    # then one token at a time
             step.append(m(idx[:, t:t + 1], start_pos=t, caches=caches)[0])
         cached = torch.cat(step, dim=1)
     assert rel_err(full, cached) < 1e-5
     # and greedy generation with the cache equals greedy decoding by repeated full forwards
-    out = m.generate(idx[:, :5], 12)
+    out = decode.generate(m, idx[:, :5], 12)
     ref = idx[:, :5]
     with torch.no_grad():
         for _ in range(12):
@@ -195,7 +209,7 @@ def test_kv_cache_matches_full_forward():
 
 
 def test_loss_matches_logits_and_ignores_minus_100():
-    m = M.Llama(M.preset("micro"))
+    m = M.Llama(preset("micro"))
     idx, tgt = torch.randint(0, 258, (2, 8)), torch.randint(0, 258, (2, 8))
     tgt[:, :5] = -100
     logits, loss = m(idx, tgt)
@@ -206,11 +220,11 @@ def test_loss_matches_logits_and_ignores_minus_100():
 
 
 def test_presets_are_explicit():
-    c = M.preset("llama2-7b")
+    c = preset("llama2-7b")
     assert (c.dim, c.n_layers, c.n_heads, c.head_dim, c.hidden_dim, c.vocab_size) == (4096, 32, 32, 128, 11008, 32000)
-    assert M.preset("llama2-70b").n_kv_heads == 8
+    assert preset("llama2-70b").n_kv_heads == 8
     with pytest.raises(ValueError, match="unknown model preset 'llama-7b'"):
-        M.preset("llama-7b")
+        preset("llama-7b")
     with pytest.raises(AssertionError, match="n_kv_heads"):
         M.LlamaConfig(dim=64, n_heads=4, n_kv_heads=3)
 

@@ -12,6 +12,7 @@ import torch
 import data
 import eval as E
 from conftest import SHARED_TOKENIZERS, tiny_tiktoken_file
+from load_llama import preset
 from tokenizer import ByteTokenizer, GPT2Tokenizer, TiktokenTokenizer, Tokenizer
 from tree import Node
 
@@ -115,18 +116,19 @@ def test_sample_py_decodes_until_the_key_is_complete(tok, tmp_path, monkeypatch,
     import sample as S
     from configurator import config_of, parse_overrides
     from dataclasses import asdict
-    llama = M.Llama(M.preset("micro", vocab_size=tok.vocab_size))
+    llama = M.Llama(preset("micro", vocab_size=tok.vocab_size))
     s = M.SharedLLM.from_llama(llama, n_lower=1, chunk_size=64, beta=4)
     torch.save(dict(model=s.state_dict(), model_args=dict(llama=asdict(llama.cfg), shared=asdict(s.scfg)),
                     config=dict(block_size=32), tokenizer=tok.spec), tmp_path / "ckpt.pt")
     key, asked = 73512, []
     follows = data.passkey_question(tok, key)[1] + tok.encode(". Remember it. The grass is green.", bos=False)
 
-    def reads_the_needle(self, idx, max_new_tokens, **kw):
+    def reads_the_needle(llama, idx, max_new_tokens, **kw):
         for t in follows[:max_new_tokens]:
             asked.append(t)
             yield torch.tensor([[t]])
-    monkeypatch.setattr(M.Llama, "stream", reads_the_needle)
+    import decode
+    monkeypatch.setattr(decode, "stream", reads_the_needle)
     cfg = parse_overrides([f"--init_from={tmp_path}", f"--key={key}", "--n_chunks=4", "--device=cpu"],
                           config_of(vars(S)), S.__file__)
     S.main(cfg)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import decode
 import model as M
 import tokenizer as T
 from conftest import rel_err
@@ -63,7 +64,7 @@ def test_gguf_matches_transformers_gguf_loader_and_knows_paris(smollm):
     err = rel_err(a, b)
     print(f"SmolLM2 GGUF: max|diff|/max|logit| = {err:.2e} against transformers' GGUF loader")
     assert err <= 1e-4 and torch.equal(a.argmax(-1), b.argmax(-1))
-    out = ours.generate(torch.tensor([prompt]), 2)
+    out = decode.generate(ours, torch.tensor([prompt]), 2)
     assert tok.decode(out[0, len(prompt):].tolist()).startswith(" Paris")
 
 
@@ -124,10 +125,10 @@ def test_save_hf_round_trip_equals_the_gguf_load(smollm, tmp_path):
 @real
 def test_training_steps_change_only_the_cross_attention(smollm):
     import copy
-    import train
+    from checkpoint import set_trainable
     llama = copy.deepcopy(smollm[0])   # SharedLLM attaches cross-attention to the model it is given
-    s = M.SharedLLM.from_llama(llama, n_lower=4, chunk_size=64, height=3, beta=8, noise=0.0)
-    train.set_trainable(s, "cross")
+    s = M.SharedLLM.from_llama(llama, n_lower=4, chunk_size=64, height=3, beta=8, sigma=0.0)
+    set_trainable(s, "cross")
     before = {k: v.clone() for k, v in s.state_dict().items()}
     opt = torch.optim.AdamW([p for p in s.parameters() if p.requires_grad], lr=1e-3)
     g = torch.Generator().manual_seed(0)

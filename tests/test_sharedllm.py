@@ -5,18 +5,20 @@ import random
 import pytest
 import torch
 
+import decode
 import model as M
 import tree
 from conftest import rel_err
+from load_llama import preset
 
 V = 258
 
 
 def build(seed=0, wo_scale=0.0, **kw):
     torch.manual_seed(seed)
-    base = M.Llama(M.preset("micro", n_layers=3)).eval()
+    base = M.Llama(preset("micro", n_layers=3)).eval()
     ref = copy.deepcopy(base)
-    cfg = dict(n_lower=2, chunk_size=64, height=3, beta=4, policy="right", noise=5.0, chunk_ids="plain")
+    cfg = dict(n_lower=2, chunk_size=64, height=3, beta=4, policy="right", sigma=0.2, chunk_ids="plain")
     s = M.SharedLLM.from_llama(base, **{**cfg, **kw}).eval()
     if wo_scale:   # a trained-looking cross-attention, so the context actually changes the output
         for blk in s.upper.layers:
@@ -45,10 +47,10 @@ def test_untrained_sharedllm_equals_base_llama(lower, policy):
 
 
 def test_lower_kv_equals_base_llama_kv_at_kept_positions():
-    s, ref = build(chunk_ids=True)
+    s, ref = build(chunk_ids="plain")
     ctx, idx = data(B=2, n=3)
     mem = s.compress(ctx, idx)
-    S = sum(nd.kept for nd in mem.nodes[0])
+    S = sum(nd.n_kept for nd in mem.nodes[0])
     for b in range(2):
         for c in range(3):
             off = 0
@@ -62,17 +64,17 @@ def test_lower_kv_equals_base_llama_kv_at_kept_positions():
                     ref(ctx[b, c, nd.start:nd.end][None])    # the base LLaMA on this node's tokens, positions 0..
                 for h in hooks:
                     h.remove()
-                keep = torch.tensor(tree.keep_index(len(nd), nd.kept, "last"))
+                keep = torch.tensor(tree.kept_positions(len(nd), nd.n_kept, "last"))
                 for j in range(2):
                     k = captured["k", j].view(1, len(nd), 2, 8).transpose(1, 2)                    # (1, Hkv, L, hd)
                     k = M.apply_rope(k, *M.rope_cos_sin(torch.arange(len(nd)), 8, 10000.0))          # node-local positions
                     k = M.apply_rope(k, *M.rope_cos_sin(torch.full((len(nd),), c), 8, 10000.0))     # then chunk id c
                     v = captured["v", j].view(1, len(nd), 2, 8).transpose(1, 2)
                     K, Vv = mem.kv[j]
-                    sl = slice(c * S + off, c * S + off + nd.kept)
+                    sl = slice(c * S + off, c * S + off + nd.n_kept)
                     assert rel_err(k[0][:, keep], K[b][:, sl]) < 1e-5
                     assert rel_err(v[0][:, keep], Vv[b][:, sl]) < 1e-5
-                off += nd.kept
+                off += nd.n_kept
 
 
 def test_chunk_ids_make_order_visible():
@@ -89,7 +91,7 @@ def test_chunk_ids_make_order_visible():
 def test_random_chunk_ids_are_plain_at_inference_and_keep_order_in_training():
     ctx, idx = data(B=3, n=4)
     plain, _ = build(wo_scale=0.5, chunk_ids="plain")
-    rand, _ = build(wo_scale=0.5, chunk_ids="random", max_chunk_id=40, noise=0.0)   # no split noise in training
+    rand, _ = build(wo_scale=0.5, chunk_ids="random", max_chunk_id=40, sigma=0.0)   # no split noise in training
     with torch.no_grad():
         assert torch.equal(plain(ctx, idx)[0], rand(ctx, idx)[0])          # eval: ids 0..n-1, queries at n
     rand.train()
@@ -113,7 +115,7 @@ def test_random_chunk_ids_are_plain_at_inference_and_keep_order_in_training():
 
 def decode_stepwise(s, idx, mem, prefill):
     # the logits of idx (B, T) as cached decoding computes them: prefill the first tokens, then one token at a time
-    caches = s.upper.new_caches(idx.shape[0], idx.shape[1])
+    caches = decode.new_caches(s.upper, idx.shape[0], idx.shape[1])
     steps = [s.upper(idx[:, :prefill], caches=caches, memory=mem)[0]]
     for t in range(prefill, idx.shape[1]):
         steps.append(s.upper(idx[:, t:t + 1], start_pos=t, caches=caches, memory=mem)[0])
@@ -129,7 +131,8 @@ def test_cached_decoding_equals_full_forward(policy):
         mem = s.compress(ctx, idx[:, :9], qlen)
         full, _ = s.upper(idx, memory=mem)
         assert rel_err(full, decode_stepwise(s, idx, mem, 9)) < 1e-5
-    out = s.generate(ctx, idx[:, :9], 10, query_len=qlen)            # compress once, prefill, decode
+    with torch.no_grad():                                             # compress once, prefill, decode
+        out = decode.generate(s.upper, idx[:, :9], 10, memory=s.compress(ctx, idx[:, :9], qlen))
     ref = idx[:, :9]
     with torch.no_grad():
         for _ in range(10):
@@ -167,7 +170,7 @@ def test_language_modeling_has_no_query():
 
 
 def test_query_policy_pairs_each_chunk_with_its_own_children(monkeypatch):
-    # Make retrieval vectors one-hot of the span's last token: the query (last token Q) is similar only to a
+    # Make hidden vectors one-hot of the span's last token: the query (last token Q) is similar only to a
     # child ending in Q. Chunks 0 and 2 end their LEFT half in Q, chunk 1 its RIGHT half; answers are known.
     s, _ = build(policy="query", height=2)
     Q = 7
@@ -176,8 +179,8 @@ def test_query_policy_pairs_each_chunk_with_its_own_children(monkeypatch):
     idx[:, -1] = Q
     for b in range(2):
         ctx[b, 0, 31], ctx[b, 1, 63], ctx[b, 2, 31] = Q, Q, Q
-    monkeypatch.setattr(M, "retrieval_vector", lambda llama, tokens, ends, starts=None, kv=None:
-                        torch.nn.functional.one_hot(tokens.gather(1, ends), V).float())
+    monkeypatch.setattr(M, "hidden_vectors", lambda llama, tokens, lengths:
+                        torch.nn.functional.one_hot(tokens[torch.arange(len(tokens)), lengths - 1], V).float())
     mem = s.compress(ctx, idx, torch.full((2,), idx.shape[1]))
     for r, nds in enumerate(mem.nodes):
         preserved = [(nd.start, nd.end) for nd in nds if nd.level == 1][0]
@@ -220,7 +223,7 @@ def test_edge_cases(kw, n, B):
 
 
 def test_noise_only_in_training():
-    s, _ = build(noise=5.0)
+    s, _ = build(sigma=0.2)
     ctx, idx = data(n=2)
     halves = [(0, 32), (32, 48), (48, 56), (56, 64)]
     assert all([(nd.start, nd.end) for nd in nds] == halves for nds in s.compress(ctx, idx).nodes)
@@ -254,35 +257,31 @@ def test_compress_under_no_grad_keeps_no_graph():
     assert s.compress(ctx, idx).kv[0][0].requires_grad                    # and training still gets its graph
 
 
-def test_retrieval_vec_is_the_first_layer_at_the_last_position():
-    # the query policy's vector computes only one position's query/attention/MLP: it must equal the full first layer,
-    # and a span inside a row (keys rotated at their row positions) must read exactly as that span on its own
+def test_hidden_vector_is_the_first_block_at_the_last_position():
+    # the paper's search (policy="query") compares hidden vectors h: a right-padded batch of sequences must read as
+    # each sequence on its own through the first block and the final norm, at its last position
     torch.manual_seed(0)
-    m = M.Llama(M.preset("tiny", n_layers=2)).eval()                # GQA: 4 query heads over 2 KV heads
-    idx, last = torch.randint(0, 258, (6, 50)), torch.tensor([49, 0, 10, 33, 7, 25])
+    m = M.Llama(preset("tiny", n_layers=2)).eval()                # GQA: 4 query heads over 2 KV heads
+    idx, lengths = torch.randint(0, 258, (6, 50)), torch.tensor([50, 1, 11, 34, 8, 26])
     first_layer = lambda x: m.norm(m.layers[0](m.tok_embeddings(x), m.rope(torch.arange(x.shape[1]))))
     with torch.no_grad():
-        full = first_layer(idx)[torch.arange(6), last]
-        assert (M.retrieval_vector(m, idx, last[:, None])[:, 0] - full).abs().max() < 2e-6
+        h = M.hidden_vectors(m, idx, lengths)
+        for r in range(6):
+            alone = first_layer(idx[r:r + 1, :lengths[r]])[0, -1]
+            assert (h[r] - alone).abs().max() < 1e-5, r
         pad = idx.clone()
-        pad[2, 11:] = 0                                                        # what follows `last` is never read
-        assert (M.retrieval_vector(m, pad, last[:, None])[2] - M.retrieval_vector(m, idx, last[:, None])[2]).abs().max() < 2e-6
-        starts, ends = torch.tensor([[0, 20], [5, 6], [30, 31]]), torch.tensor([[19, 49], [5, 40], [30, 45]])
-        h = M.retrieval_vector(m, idx[:3], ends, starts)                            # two spans per row: (3, 2, dim)
-        for r in range(3):
-            for j in range(2):
-                alone = M.retrieval_vector_reference(m, idx[r, starts[r, j]:ends[r, j] + 1])
-                assert (h[r, j] - alone).abs().max() < 1e-5, (r, j)
+        pad[2, 11:] = 0                                                        # what follows the length is never read
+        assert (M.hidden_vectors(m, pad, lengths)[2] - h[2]).abs().max() < 2e-6
 
 
 @pytest.mark.parametrize("policy", ["right", "query", "continuation"])
 def test_compressed_kv_and_gradients_equal_encoding_each_node_alone(policy):
-    # The query policy's search computes the first layer's K/V of the spans it compares and the encoding reuses
-    # them (a left child is a prefix of its parent): values and gradients must equal each node encoded on its own.
+    # The batched encoding (nodes of a level padded together, the last lower block at the kept tokens only): values
+    # and gradients must equal each node encoded on its own, whichever search chose the nodes.
     s, ref = build(policy=policy)
     ctx, idx = data(B=2, n=3)
     mem = s.compress(ctx, idx, torch.full((2,), 5))                          # trainable lower model: graph kept
-    S, g = sum(nd.kept for nd in mem.nodes[0]), torch.Generator().manual_seed(3)
+    S, g = sum(nd.n_kept for nd in mem.nodes[0]), torch.Generator().manual_seed(3)
     W = [[torch.randn(t.shape, generator=g) for t in kv] for kv in mem.kv]
     sum((t * w).sum() for kv, ws in zip(mem.kv, W) for t, w in zip(kv, ws)).backward()
     ref_loss = 0.0
@@ -290,14 +289,14 @@ def test_compressed_kv_and_gradients_equal_encoding_each_node_alone(policy):
         for c in range(3):
             off = 0
             for nd in mem.nodes[b * 3 + c]:
-                keep = torch.tensor([tree.keep_index(len(nd), nd.kept, "last")])
-                sl = slice(c * S + off, c * S + off + nd.kept)
+                keep = torch.tensor([tree.kept_positions(len(nd), nd.n_kept, "last")])
+                sl = slice(c * S + off, c * S + off + nd.n_kept)
                 for j, (K, V) in enumerate(M.lower_kv(ref, ctx[b, c, nd.start:nd.end][None], 2, keep)):
-                    K = M.apply_rope(K, *M.rope_cos_sin(torch.full((nd.kept,), c), 8, 10000.0))   # chunk id c
+                    K = M.apply_rope(K, *M.rope_cos_sin(torch.full((nd.n_kept,), c), 8, 10000.0))   # chunk id c
                     assert rel_err(K[0], mem.kv[j][0][b][:, sl].detach()) < 1e-5
                     assert rel_err(V[0], mem.kv[j][1][b][:, sl].detach()) < 1e-5
                     ref_loss = ref_loss + (K[0] * W[j][0][b][:, sl]).sum() + (V[0] * W[j][1][b][:, sl]).sum()
-                off += nd.kept
+                off += nd.n_kept
     ref_loss.backward()
     for name in ["tok_embeddings.weight", "layers.0.attention.wk.weight", "layers.0.attention.wv.weight",
                  "layers.0.feed_forward.w1.weight", "layers.1.attention.wk.weight"]:
@@ -319,20 +318,21 @@ def test_encoding_in_small_calls_changes_nothing(policy, monkeypatch):
         assert rel_err(K1, K2) < 1e-6 and rel_err(V1, V2) < 1e-6
 
 
-@pytest.mark.parametrize("policy,kw", [("query", dict(noise=5.0)), ("continuation", dict(noise=5.0)),
-                                       ("continuation", dict(n_lower=3, noise=5.0)),
-                                       ("right", dict(noise=5.0)),
+@pytest.mark.parametrize("policy,kw", [("query", dict(sigma=0.2)), ("continuation", dict(sigma=0.2)),
+                                       ("continuation", dict(n_lower=3, sigma=0.2)),
+                                       ("right", dict(sigma=0.2)),
                                        ("query", dict(n_lower=1, beta=1, keep="first"))])
-def test_reference_encoding_equals_the_batched_one(policy, kw, monkeypatch):
-    # model.ENCODE_PATH = "reference" encodes each preserved node on its own through the lower model's blocks and reads
-    # its K/V from their KV caches: the batched path (spans padded together, first-layer K/V reused from the query
-    # search, only the kept tokens projected in the last block) must give the same Memory and the same gradients.
-    # Training mode: noisy splits (the same draws for both) and the query policy, with one row that has no query.
+def test_reference_encoding_equals_the_batched_one(policy, kw):
+    # encode_nodes_reference (below) encodes each preserved node on its own through the lower model's blocks and reads
+    # its K/V from their KV caches: encode_nodes (spans padded together, only the kept tokens projected in the last
+    # block) must give the same Memory and the same gradients. Training mode: noisy splits (the same draws for both),
+    # with one row that has no question.
     ctx, idx = data(B=2, n=3)
     runs = {}
     for path in ("batched", "reference"):
-        monkeypatch.setattr(M, "ENCODE_PATH", path)
         s, _ = build(policy=policy, wo_scale=0.5, **kw)
+        if path == "reference":
+            s.encode_nodes = lambda rows, nodes, s=s: encode_nodes_reference(s, rows, nodes)
         s.train()
         random.seed(7)                                                  # the split noise's draws
         mem = s.compress(ctx, idx, torch.tensor([5, 0]))
@@ -341,7 +341,7 @@ def test_reference_encoding_equals_the_batched_one(policy, kw, monkeypatch):
         runs[path] = mem, logits, {n: p.grad for n, p in s.named_parameters()}
     (m1, l1, g1), (m2, l2, g2) = runs["batched"], runs["reference"]
     assert [[(nd.start, nd.end) for nd in nds] for nds in m1.nodes] == [[(nd.start, nd.end) for nd in nds] for nds in m2.nodes]
-    assert (m1.nodes[0][0].end != 32) == ("noise" in kw)                # noisy splits (exact halves: 32)
+    assert (m1.nodes[0][0].end != 32) == ("sigma" in kw)                # noisy splits (exact halves: 32)
     for (K1, V1), (K2, V2) in zip(m1.kv, m2.kv):
         assert rel_err(K1, K2) < 1e-5 and rel_err(V1, V2) < 1e-5
     assert rel_err(l1, l2) < 1e-5
@@ -349,12 +349,32 @@ def test_reference_encoding_equals_the_batched_one(policy, kw, monkeypatch):
         assert g1[n] is not None and g1[n].abs().sum() > 0 and rel_err(g1[n], g2[n]) < 1e-5, (n, rel_err(g1[n], g2[n]))
 
 
-def test_continuation_policy_expands_toward_what_follows_the_questions_last_words():
+def encode_nodes_reference(s, rows, nodes):
+    # Step 3 the obvious way, the oracle of SharedLLM.encode_nodes: each preserved node a sequence of its own (positions
+    # 0..len-1) through the lower model's bottom M blocks; each block's KV cache then holds exactly the K (rotated) and
+    # V the paper keeps, read at the node's kept positions -> per layer (K, V), each (all kept KVs, Hkv, hd), text order
+    low, M_ = s.lower_model(), s.scfg.n_lower
+    kv = [([], []) for _ in range(M_)]
+    for r, row_nodes in enumerate(nodes):
+        for nd in row_nodes:
+            x = low.tok_embeddings(rows[r:r + 1, nd.start:nd.end])                      # (1, len, dim)
+            caches = [decode.KVCache(1, low.cfg.n_kv_heads, len(nd), low.cfg.head_dim, rows.device, x.dtype)
+                      for _ in range(M_)]
+            for block, cache in zip(low.layers[:M_], caches):
+                x = block(x, low.rope(torch.arange(len(nd))), cache)
+            at = tree.kept_positions(len(nd), nd.n_kept, s.scfg.keep)
+            for j, cache in enumerate(caches):                                          # (n_kept, Hkv, hd)
+                kv[j][0].append(cache.k[0, :, at].transpose(0, 1))
+                kv[j][1].append(cache.v[0, :, at].transpose(0, 1))
+    return [(torch.cat(ks), torch.cat(vs)) for ks, vs in kv]
+
+
+def test_continuation_policy_selects_toward_what_follows_the_questions_last_words():
     # policy="continuation" (every recipe's search, beyond the paper): every context position scores the length of the longest run of the
     # question's last tokens (at most MATCH_MAX, at most the question) that ends right before it, across chunk borders;
-    # each tree expands the child with the higher best score, a tie goes right; a row with no question goes right.
+    # each tree selects the child with the higher best score, a tie goes right; a row with no question goes right.
     # Checked against that definition in plain Python, one tree at a time, and on planted runs.
-    s, _ = build(policy="continuation", height=3, noise=0.0)
+    s, _ = build(policy="continuation", height=3, sigma=0.0)
     ctx, idx = data(B=2, n=3)
     ql = torch.tensor([3, 16])
     ctx[1, 2, 4:16] = idx[1, 4:16]                          # sample 1, chunk 2: the last 12 tokens (scores 8, capped)

@@ -17,6 +17,7 @@ import model as M
 import plots
 import sample as S
 from configurator import config_of, parse_overrides
+from load_llama import preset
 from conftest import ROOT
 from test_train import MICRO, train_in_process
 
@@ -100,7 +101,7 @@ def test_text_forms_without_matplotlib(micro_run, tmp_path, monkeypatch, capsys)
 def test_attention_picture_weights_are_what_the_layer_reads(tmp_path):
     # the drawn weights, applied to the layer's values and output projection, give the layer's own output
     torch.manual_seed(0)
-    s = M.SharedLLM.from_llama(M.Llama(M.preset("micro", n_layers=3)), n_lower=2, chunk_size=32, height=2, beta=4,
+    s = M.SharedLLM.from_llama(M.Llama(preset("micro", n_layers=3)), n_lower=2, chunk_size=32, height=2, beta=4,
                                policy="query").eval()
     for p in s.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -140,13 +141,13 @@ def test_the_attention_picture_marks_every_node_that_holds_a_mention_of_the_key(
     mentions = [(p, p + len(kid)) for p in at_key]
     weights = S.cross_attention_picture(model, memory, torch.tensor([prompt_ids]), "unused.png", at_key[0] // C,
                                         mentions)
-    S_ = sum(nd.kept for nd in memory.nodes[0])
+    S_ = sum(nd.n_kept for nd in memory.nodes[0])
     want, first = [], 0
     for c, nodes in enumerate(memory.nodes):
         for nd in nodes:
             if any(a < c * C + nd.end and c * C + nd.start < b for a, b in mentions):
-                want.append(list(range(first, first + nd.kept)))
-            first += nd.kept
+                want.append(list(range(first, first + nd.n_kept)))
+            first += nd.n_kept
     assert first == 6 * S_ and [kvs for _, kvs in drawn["nodes"]] == want and len(want) >= 2
     held = {m for label, _ in drawn["nodes"] for m in re.findall(r"\d+", label.split(" of the key")[0])}
     assert held == {"1", "2"}                                            # both mentions are marked
