@@ -412,7 +412,8 @@ class SharedLLM(nn.Module):
                 for i, (r, nd) in enumerate(group):
                     start_of[r, nd.start] = n_done + i * kept_at.shape[1]
                 n_done += kept_at.numel()
-        # the calls come level by level: each row's KVs back together (step 4), in text order
+        # the calls come level by level: each row's KVs back together (step 4's view), in text
+        # order (cross-attention reads them in any order; sample.py's picture reads text order)
         order = to_device([start_of[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
                            for t in range(nd.n_kept)], rows.device)
         return [(torch.cat(ks)[order], torch.cat(vs)[order]) for ks, vs in calls]
