@@ -20,7 +20,8 @@ from dataclasses import asdict
 import torch
 
 import model as M
-from load_llama import PRESETS, load_llama, load_tokenizer, safetensors_files, tokenizer_from_spec
+from load_llama import (PRESETS, load_llama, load_tokenizer, preset as preset_config, safetensors_files,
+                        tokenizer_from_spec)
 from model import Llama, LlamaConfig
 from tokenizer import ByteTokenizer, GPT2Tokenizer
 
@@ -238,8 +239,8 @@ def sharedllm_to_train(init_from, scfg, dtype, out_dir, preset, tokenizer, light
             raise SystemExit(f"--tokenizer={tokenizer}: {e} (expected byte, gpt2 or a tokenizer file)") from None
         if preset not in PRESETS:
             raise SystemExit(f"--preset={preset}: expected one of {sorted(PRESETS)}")
-        vocab = max(PRESETS[preset]["vocab_size"], tok.vocab_size)
-        llama = Llama(LlamaConfig(**{**PRESETS[preset], "vocab_size": vocab}))
+        llama = Llama(preset_config(preset, vocab_size=max(PRESETS[preset]["vocab_size"],
+                                                           tok.vocab_size)))
     elif init_from == "resume":   # a setting given otherwise would be silently ignored: refused
         path = os.path.join(out_dir, "ckpt.pt")
         if not os.path.isfile(path):

@@ -95,15 +95,8 @@ if __name__ == "__main__":
 
 
 def main():
-    # setup: processes (under torchrun each is a rank: a GPU or a CPU process), device, streams
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-    dev, dt = auto_device(device, dtype)
-    if ddp:
-        torch.distributed.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
-        if dev.startswith("cuda"):
-            dev = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-            torch.cuda.set_device(dev)
+    # setup: processes, device, settings, random streams
+    ddp, rank, world, dev, dt = setup_processes()
     master, dev_type = rank == 0, "cuda" if dev.startswith("cuda") else dev
     check_settings(dev, dev_type, dt)
     autocast = nullcontext() if dt == "float32" else torch.autocast(dev_type, getattr(torch, dt))
@@ -142,14 +135,7 @@ def main():
                                 lambda v: M.SharedConfig(**{**shared_config(), "beta": v}))
     eval_counts = {name: parse_counts(name, spec) for name, spec in (
         ("eval_chunks", eval_chunks), ("final_eval_chunks", final_eval_chunks or eval_chunks))}
-    if ddp and not master:
-        torch.distributed.barrier()   # rank 0 tokenizes the corpus into data_cache/, then the rest
-    try:   # (passkeys are generated: no corpus)
-        splits = data.prepare(tok, package_paths(data_dir)) if task != "passkey" else None
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"--data_dir={data_dir}: {e}") from None
-    if ddp and master:
-        torch.distributed.barrier()
+    splits = load_corpus(tok, ddp, master)
     train_counts = sorted({n for n, _ in chunk_pairs} | {n_chunks})
     lm_eval_counts = data.check_lengths(
         tok, splits, train_counts, sorted(set(sum(eval_counts.values(), []))), task, chunk_size,
@@ -174,12 +160,7 @@ def main():
         with torch.no_grad():
             for p, ns in zip(params, names):
                 p.copy_(ckpt["raw"][ns[0]])
-    log_path = os.path.join(out_dir, "log.jsonl")   # plots.py draws it
-    if master:   # a resumed run keeps the lines up to its checkpoint
-        kept = open(log_path).readlines() if ckpt is not None and os.path.isfile(log_path) else []
-        with open(log_path, "w") as f:
-            f.writelines(line for line in kept
-                         if line.endswith("\n") and json.loads(line)["iter"] <= iter_num)
+    log_path = start_log(ckpt, iter_num, master)
     # a non-finite loss stops the run, read back only at log lines and checkpoints (a host sync
     # per step stalls a GPU); the weights it corrupted are never saved
     nonfinite, checked_at = torch.zeros((), dtype=torch.bool, device=dev), iter_num
@@ -264,6 +245,45 @@ def main():
 
 # -----------------------------------------------------------------------------
 # the pieces main() calls
+
+
+def setup_processes():
+    # -> ddp, rank, world size, device, dtype name; under torchrun each process is a rank (a GPU
+    # or a CPU process)
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+    dev, dt = auto_device(device, dtype)
+    if ddp:
+        torch.distributed.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
+        if dev.startswith("cuda"):
+            dev = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+            torch.cuda.set_device(dev)
+    return ddp, rank, world, dev, dt
+
+
+def load_corpus(tok, ddp, master):
+    # the text corpus, tokenized once into data_cache/ (None for passkeys alone: generated)
+    if ddp and not master:
+        torch.distributed.barrier()   # rank 0 tokenizes first, then the rest read its cache
+    try:
+        splits = data.prepare(tok, package_paths(data_dir)) if task != "passkey" else None
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"--data_dir={data_dir}: {e}") from None
+    if ddp and master:
+        torch.distributed.barrier()
+    return splits
+
+
+def start_log(ckpt, iter_num, master):
+    # out_dir/log.jsonl (plots.py draws it): a fresh run starts it anew, a resumed one keeps the
+    # lines up to its checkpoint
+    log_path = os.path.join(out_dir, "log.jsonl")
+    if master:
+        kept = open(log_path).readlines() if ckpt is not None and os.path.isfile(log_path) else []
+        with open(log_path, "w") as f:
+            f.writelines(line for line in kept
+                         if line.endswith("\n") and json.loads(line)["iter"] <= iter_num)
+    return log_path
 
 
 def check_settings(dev, dev_type, dt):
