@@ -152,10 +152,11 @@ def peak_flops(dev_type, dt, n=None, trials=10):
 # train.py's schedules and chunk counts, read from their settings
 
 
-def parse_schedule(name, spec, check=lambda value: None):
-    # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)]; check(value) may refuse one with a ValueError
+def parse_schedule(name, spec, check=lambda value: None, kind=int):
+    # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)], each v a `kind`; check(value) may refuse
+    # one with a ValueError
     try:
-        pairs = [tuple(int(x) for x in part.split(":")) for part in filter(None, spec.split(","))]
+        pairs = [(kind(v), int(u)) for v, u in (part.split(":") for part in filter(None, spec.split(",")))]
         assert all(len(p) == 2 for p in pairs), "each part is value:until_iter"
         assert all(v >= 1 for v, _ in pairs), "values are at least 1"
         for v, _ in pairs:
@@ -190,7 +191,7 @@ def step_flops(m, n, T):
     per_layer = 2 * c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.dim * c.hidden_dim
     lower_mult = 6 if any(p.requires_grad for p in m.lower_parameters()) else 2
     lower = lower_mult * per_layer * m.scfg.n_lower * n * m.scfg.chunk_size
-    S = n * m.scfg.chunk_size // m.scfg.beta
+    S = n * round(m.scfg.chunk_size / m.scfg.beta)
     upper_mult = 6 if any(p.requires_grad for n_, p in m.upper.named_parameters() if ".cross_" not in n_) else 4
     upper = upper_mult * (per_layer * c.n_layers + c.dim * c.vocab_size) * T + 6 * c.n_layers * c.dim * T * T \
         + 6 * m.scfg.n_lower * (2 * c.dim * c.dim + 2 * c.dim * S) * T
@@ -206,7 +207,7 @@ def memory_estimate(m, dt, dev, batch_size, block_size, n_chunks, ema_decay, act
     n_tr = sum(p.numel() for p in m.parameters() if p.requires_grad)
     act = batch_size * block_size * c.dim * abytes * (c.n_layers * (2 if activation_checkpointing else 18)) \
         + batch_size * block_size * c.vocab_size * 4 * 2
-    kv = batch_size * 2 * s.n_lower * n_chunks * (s.chunk_size // s.beta) * c.n_kv_heads * c.head_dim * abytes
+    kv = batch_size * 2 * s.n_lower * n_chunks * round(s.chunk_size / s.beta) * c.n_kv_heads * c.head_dim * abytes
     est = dict(weights=sum(p.numel() * p.element_size() for p in m.parameters()), grads=n_tr * 4, adam=n_tr * 8,
                ema=n_tr * 4 if ema_decay > 0 else 0,
                activations=act, compressed_kv=kv)

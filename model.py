@@ -253,7 +253,7 @@ class SharedConfig:
     n_lower: int = 4        # M: lower-model layers = upper cross-attention layers (paper: 4, 16)
     chunk_size: int = 1024  # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
     height: int = 3         # h: levels of the context tree below the root
-    beta: int = 8           # the overall compression: C / (KVs kept per chunk)
+    beta: float = 8.0       # the overall compression: C / (KVs kept per chunk)
     policy: str = "continuation"   # pi, step 1: "continuation" (ours); "query" (paper), "right"
     sigma: float = 0.0      # split noise in training, a fraction of l (Table 5: l/5 = 0.2; tree.py)
     chunk_ids: str = "random"   # Eq. 2: "random" (ours), "plain" (paper), "off"; chunk_positions
@@ -270,7 +270,7 @@ class SharedConfig:
                                  f"expected one of {allowed}")
         for name in ("n_lower", "chunk_size", "height", "beta", "max_chunk_id"):
             if getattr(self, name) < 1:
-                raise ValueError(f"SharedConfig.{name} = {getattr(self, name)}; "
+                raise ValueError(f"SharedConfig.{name} = {getattr(self, name):g}; "
                                  "expected at least 1")
         if not self.sigma >= 0:
             raise ValueError(f"SharedConfig.sigma = {self.sigma}; expected 0 (off) or more")
@@ -278,9 +278,9 @@ class SharedConfig:
             tree.search(1, self.chunk_size, self.height, self.beta)
         except AssertionError as e:
             raise ValueError(f"SharedConfig: chunk_size {self.chunk_size}, height {self.height}, "
-                             f"beta {self.beta}: {e}") from None
+                             f"beta {self.beta:g}: {e}") from None
         if round(self.chunk_size / self.beta) < self.height + 1:   # else more than C / beta kept
-            raise ValueError(f"SharedConfig.beta = {self.beta}: a tree of height {self.height} "
+            raise ValueError(f"SharedConfig.beta = {self.beta:g}: a tree of height {self.height} "
                              f"keeps at least one KV in each of its {self.height + 1} nodes, so a "
                              f"chunk of {self.chunk_size} tokens allows beta up to "
                              f"{self.chunk_size // (self.height + 1)}")

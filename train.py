@@ -50,7 +50,7 @@ preset = "tiny"         # load_llama.PRESETS key, for init_from=scratch
 n_lower = 3             # M: lower-model layers = cross-attention layers
 chunk_size = 128        # C
 height = 3              # tree height h
-beta = 8                # compression: C / KVs kept per chunk
+beta = 8.0              # compression: C / KVs kept per chunk (need not be whole)
 sigma = 0.0             # split noise in training, sigma / l (Table 5: l/5 = 0.2); 0 = off
 train = "all"           # what trains: "all" | "cross" | "cross+top" | "upper" (set_trainable)
 # the recipe: curricula, the batch mix, the moving average of the weights
@@ -132,7 +132,7 @@ def main():
     # data and schedules, every length checked against the data now, not at iteration 2,500
     chunk_pairs = parse_schedule("chunk_schedule", chunk_schedule)
     beta_pairs = parse_schedule("beta_schedule", beta_schedule,   # each beta a SharedConfig too
-                                lambda v: M.SharedConfig(**{**shared_config(), "beta": v}))
+                                lambda v: M.SharedConfig(**{**shared_config(), "beta": v}), float)
     eval_counts = {name: parse_counts(name, spec) for name, spec in (
         ("eval_chunks", eval_chunks), ("final_eval_chunks", final_eval_chunks or eval_chunks))}
     splits = load_corpus(tok, ddp, master)

@@ -14,7 +14,7 @@ import torch
 
 import data
 import model as M
-from configurator import parse_overrides
+from configurator import parse_overrides, parse_schedule
 from conftest import ROOT, SHARED_TOKENIZERS, make_hf_checkpoint, tiny_tiktoken_file
 from load_llama import preset
 from tokenizer import ByteTokenizer
@@ -47,6 +47,11 @@ def test_config_errors(tmp_path, capsys):
                       (["config/nope.py"], "config file config/nope.py: not found")]:
         with pytest.raises(SystemExit, match=re.escape(msg)):
             parse_overrides(args, dict(train.config), train.__file__)
+    # beta is a ratio (C / KVs kept), so it and its schedule may be fractional; the iterations may not
+    assert parse_overrides(["--beta=3.2"], dict(train.config), train.__file__)["beta"] == 3.2
+    assert parse_schedule("beta_schedule", "1.5:10,2:20", kind=float) == [(1.5, 10), (2.0, 20)]
+    with pytest.raises(SystemExit, match=re.escape("--beta_schedule=2:1.5: expected value:until_iter")):
+        parse_schedule("beta_schedule", "2:1.5", kind=float)
     with pytest.raises(SystemExit):
         parse_overrides(["--help"], dict(train.config), train.__file__)
     out = capsys.readouterr().out

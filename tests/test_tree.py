@@ -20,7 +20,8 @@ def test_paper_example():
 
 
 @pytest.mark.parametrize("C,h,beta", [(1024, 3, 8), (1024, 2, 8), (1024, 4, 8), (1024, 3, 1), (1024, 3, 16),
-                                      (1024, 1, 8), (128, 3, 8), (100, 3, 8), (77, 2, 4), (64, 3, 64), (1000, 4, 3)])
+                                      (1024, 1, 8), (128, 3, 8), (100, 3, 8), (77, 2, 4), (64, 3, 64), (1000, 4, 3),
+                                      (256, 4, 3.2)])
 def test_spans_partition_and_budget(C, h, beta):
     rng = random.Random(0)
     for sigma in (0.0, 0.2, 0.1):
@@ -48,6 +49,13 @@ def test_exact_counts_for_lengths_that_do_not_divide():
     assert [(n.start, n.end, n.n_kept) for n in nodes] == [(0, 50, 3), (50, 75, 3), (75, 87, 3), (87, 100, 3)]
     assert tree.node_budget(1024, 2, 8) == [0, 42, 43]                      # 42 + 43 + 43 = 128 = 1024 / 8
     assert tree.node_budget(1024, 3, 1) == [0, 512, 256, 128]               # beta 1 keeps everything
+
+
+def test_a_fractional_beta_can_keep_every_token_of_a_leaf():
+    # beta is a ratio, not a count: C 256, h 4, beta 3.2 keeps 80 KVs, 16 in each of 5 nodes, so
+    # the 16-token leaves keep every token (config/smollm2_retrieval_cpu.py)
+    nodes = tree.search(1, 256, 4, 3.2)[0]
+    assert [(len(n), n.n_kept) for n in nodes] == [(128, 16), (64, 16), (32, 16), (16, 16), (16, 16)]
 
 
 @pytest.mark.parametrize("C,h", [(1024, 3), (128, 3), (1024, 2), (1024, 4), (512, 3)])
