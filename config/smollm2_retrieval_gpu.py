@@ -1,7 +1,8 @@
 # SmolLM2-135M made to find a passkey far past its 8K window, on one GPU: the CPU retrieval recipe
-# (config/smollm2_retrieval_cpu.py) with finer trees, batches of 16 and more steps. Chunks of 512 tokens in trees of
-# height 4 keep 25-26 KVs in every preserved node (beta 4): a leaf of 32 tokens keeps 26 of them, where the CPU
-# recipe's leaf kept 1 in 2 and lost digits of the key. bf16 autocast; only the cross-attention trains.
+# (config/smollm2_retrieval_cpu.py) with longer chunks, batches of 16 and more steps. Chunks of 512 tokens in trees
+# of height 4 keep 25-26 KVs in every preserved node (beta 4): a leaf of 32 tokens keeps 26 of them (the CPU recipe's
+# beta 3.2 keeps every token of a leaf; here that would be 32 of 32, untried without a GPU). bf16 autocast; only the
+# cross-attention trains.
 #   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_retrieval_gpu.py
 # On one H100 (no flash-attn), with the former `query_mean` search and log-n scaling (commit 84a7b60): 5.0 min; final

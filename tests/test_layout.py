@@ -60,6 +60,17 @@ def test_recipe_files_parse_and_tiny_is_the_default():
     assert tiny == train.config, "config/tiny.py must describe the default run exactly"
 
 
+def test_the_cpu_retrieval_recipe_keeps_every_token_of_a_leaf():
+    # SmolLM2's lower model is frozen there: a key's digit whose own KV is dropped was the only kind misread
+    # (docs/real_model.md), so the recipe's sizes keep every token of a leaf
+    import tree
+    cfg = parse_overrides([os.path.join(ROOT, "config", "smollm2_retrieval_cpu.py")], dict(train.config),
+                          train.__file__)
+    leaves = [nd for nd in tree.search(1, cfg["chunk_size"], cfg["height"], cfg["beta"])[0]
+              if nd.level == cfg["height"]]
+    assert cfg["train"] == "cross" and all(nd.n_kept == len(nd) for nd in leaves)
+
+
 class Payload:
     # unpickling this calls open(marker, "w"): a stand-in for any code a crafted checkpoint could run
     def __init__(self, marker):
