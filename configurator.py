@@ -182,6 +182,10 @@ def parse_counts(name, spec):   # "4,16" -> [4, 16]
 # what a training step costs: FLOPs (for train.py's MFU, against peak_flops) and device memory
 
 
+def kvs_per_chunk(chunk_size, beta):   # KVs a chunk keeps, as tree.node_budget counts them for beta > 2
+    return round(chunk_size / beta)
+
+
 def step_flops(m, n, T):
     # FLOPs of one sample's forward+backward through SharedLLM m (an estimate): 2 x params x tokens forward, 2 more
     # for the input gradient, 2 more for the weight gradient where weights train; plus attention. Lower: M layers
@@ -191,7 +195,7 @@ def step_flops(m, n, T):
     per_layer = 2 * c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.dim * c.hidden_dim
     lower_mult = 6 if any(p.requires_grad for p in m.lower_parameters()) else 2
     lower = lower_mult * per_layer * m.scfg.n_lower * n * m.scfg.chunk_size
-    S = n * round(m.scfg.chunk_size / m.scfg.beta)
+    S = n * kvs_per_chunk(m.scfg.chunk_size, m.scfg.beta)
     upper_mult = 6 if any(p.requires_grad for n_, p in m.upper.named_parameters() if ".cross_" not in n_) else 4
     upper = upper_mult * (per_layer * c.n_layers + c.dim * c.vocab_size) * T + 6 * c.n_layers * c.dim * T * T \
         + 6 * m.scfg.n_lower * (2 * c.dim * c.dim + 2 * c.dim * S) * T
@@ -207,7 +211,7 @@ def memory_estimate(m, dt, dev, batch_size, block_size, n_chunks, ema_decay, act
     n_tr = sum(p.numel() for p in m.parameters() if p.requires_grad)
     act = batch_size * block_size * c.dim * abytes * (c.n_layers * (2 if activation_checkpointing else 18)) \
         + batch_size * block_size * c.vocab_size * 4 * 2
-    kv = batch_size * 2 * s.n_lower * n_chunks * round(s.chunk_size / s.beta) * c.n_kv_heads * c.head_dim * abytes
+    kv = batch_size * 2 * s.n_lower * n_chunks * kvs_per_chunk(s.chunk_size, s.beta) * c.n_kv_heads * c.head_dim * abytes
     est = dict(weights=sum(p.numel() * p.element_size() for p in m.parameters()), grads=n_tr * 4, adam=n_tr * 8,
                ema=n_tr * 4 if ema_decay > 0 else 0,
                activations=act, compressed_kv=kv)

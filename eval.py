@@ -25,7 +25,8 @@ import torch
 
 import data
 import plots
-from configurator import auto_device, check_ranges, config_of, out_file, package_path, package_paths, parse_overrides
+from configurator import (auto_device, check_ranges, config_of, kvs_per_chunk, out_file, package_path, package_paths,
+                          parse_overrides)
 from checkpoint import base_model, load_sharedllm
 
 # -----------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def run_ppl(model, splits, ns, C, T, K, g, dev, base=None):
     for n in ns:
         rows = {}   # name -> (perplexity, seconds per window, GFLOP per window, note)
         shared, scored, s = timed_ppl(model, splits["val"], windows, n, C, T, K, "compressed", g, dev)
-        rows["SharedLLM"] = (shared, s, gflops(cfg, T, T, n * C, M, n * round(C / model.scfg.beta)), "")
+        rows["SharedLLM"] = (shared, s, gflops(cfg, T, T, n * C, M, n * kvs_per_chunk(C, model.scfg.beta)), "")
         if none is None:   # without the context the upper model sees the same X_D: one number for every row
             ppl, _, s = timed_ppl(model, splits["val"], windows, n, C, T, K, "none", g, dev)
             none = (ppl, s, gflops(cfg, T, T), "")   # logits at every position of X_D
@@ -277,7 +278,7 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
                 if name == "SharedLLM":
                     found[n, d] = where
             L = {"none": xd, "SharedLLM": xd, "window": min(W, n * C + xd)}.get(name, n * C + xd)   # tokens through it
-            kv = n * round(C / model.scfg.beta) if name == "SharedLLM" else 0
+            kv = n * kvs_per_chunk(C, model.scfg.beta) if name == "SharedLLM" else 0
             gf = gflops(cfg, L, xd, n * C if name == "SharedLLM" else 0, model.scfg.n_lower if kv else 0, kv)
             cost[n, name] = dict(s_per_haystack=(time.time() - t0) / max(ran, 1), gflop_per_haystack=gf, forwards=ran)
         for d in ds:
