@@ -211,7 +211,8 @@ def memory_estimate(m, dt, dev, batch_size, block_size, n_chunks, ema_decay, act
     n_tr = sum(p.numel() for p in m.parameters() if p.requires_grad)
     act = batch_size * block_size * c.dim * abytes * (c.n_layers * (2 if activation_checkpointing else 18)) \
         + batch_size * block_size * c.vocab_size * 4 * 2
-    kv = batch_size * 2 * s.n_lower * n_chunks * kvs_per_chunk(s.chunk_size, s.beta) * c.n_kv_heads * c.head_dim * abytes
+    kv = batch_size * 2 * s.n_lower * n_chunks * kvs_per_chunk(s.chunk_size, s.beta) * c.n_kv_heads * c.head_dim \
+        * abytes
     est = dict(weights=sum(p.numel() * p.element_size() for p in m.parameters()), grads=n_tr * 4, adam=n_tr * 8,
                ema=n_tr * 4 if ema_decay > 0 else 0,
                activations=act, compressed_kv=kv)
