@@ -248,7 +248,7 @@ def knob_rows(g, m, knob, values, ctx, idx, ql, dev, dt):
 def knob_tables(g, m, ctx, idx, ql, dev, dt):
     # 2. the appendix's knobs at one length -> {knob: rows}
     tables = [("n_lower", (1, 2) if g["quick"] else (1, 2, 4, 8)), ("beta", (1, 8, 64) if g["quick"] else (1, 2, 4, 8, 16, 32, 64)),
-              ("height", (1, 3) if g["quick"] else (1, 2, 3, 4)), ("policy", ("right", "query", "continuation"))]
+              ("height", (1, 3) if g["quick"] else (1, 2, 3, 4)), ("policy", ("right", "query", "lexical"))]
     print(f"\nknobs at {g['knob_length']:,} context tokens (others as above):")
     return {knob: knob_rows(g, m, knob, values, ctx, idx, ql, dev, dt) for knob, values in tables}
 
@@ -257,7 +257,7 @@ def retrieval_overhead(g, m, ctx, idx, ql, dev):
     # what each query-aware search costs: "right" and the policy alternated, so that drift in the machine's speed hits
     # both alike -> {policy: how much slower than "right", %}
     base, out = m.scfg, {}
-    for policy in ("query", "continuation"):
+    for policy in ("query", "lexical"):
         ts = {"right": [], policy: []}
         with torch.no_grad():
             for _ in range(max(3, 2 * g["repeats"])):

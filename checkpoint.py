@@ -101,7 +101,11 @@ def retired(shared, ckpt_file):
         if shared.get(name) in gone:
             raise ValueError(f"{ckpt_file}: trained with {name}={shared[name]!r}, which this version no longer has (it "
                              f"last existed at commit 84a7b60); read it with today's method, e.g. eval.py "
-                             f"--policy=continuation --chunk_ids=plain, or check out that commit")
+                             f"--policy=lexical --chunk_ids=plain, or check out that commit")
+    if shared.get("policy") == "continuation":   # the search before issue 56; neither it nor today's has weights
+        print(f"note: {ckpt_file} was trained with the 'continuation' search, which the 'lexical' search replaced: "
+              "it is read with 'lexical'")
+        shared["policy"] = "lexical"
     if shared.pop("logn_scale", False):
         print(f"note: {ckpt_file} was evaluated with log-n query scaling, which this version no longer has: it is "
               "read without it")

@@ -3,6 +3,7 @@ Measure a SharedLLM the way the paper does, with the protocol printed next to ev
 
   python eval.py --task=ppl         # perplexity with vs without the compressed context, at several chunk counts
   python eval.py --task=passkey     # exact match over context lengths x key depths, with an ASCII heatmap
+  python eval.py --task=ruler       # RULER's five needle tasks (Hsieh et al., 2024): generated answers, RULER's score
   python eval.py --task=ablations   # the paper's Table 5 rows, as inference-time changes to one checkpoint
   python eval.py --task=passkey --policy=right --out=right.json    # any ablation flag, any task; JSON out
 
@@ -12,6 +13,9 @@ scores the very same tokens (the windows are placed for the largest count), with
 perplexity = exp(mean over windows of the window's mean loss).
 passkey: the key's tokens must all be the argmax given the correct prefix, which is exactly greedy decoding
 producing the key.
+ruler: RULER's NIAH tasks (data.ruler_sample: its needles, haystacks, question and answer prefix); the model decodes
+greedily after the answer prefix, as many tokens as the asked values take written out (RULER: 128), and the score is
+RULER's string_match_all, the share of the asked values that the answer holds.
 """
 import json
 import math
@@ -32,7 +36,8 @@ from checkpoint import base_model, load_sharedllm
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
 init_from = "out"           # a train.py out_dir (or its ckpt.pt), or a LLaMA-2 folder in HF layout
-task = "ppl"                # "ppl" | "passkey" | "ablations"
+task = "ppl"                # "ppl" | "passkey" | "ruler" | "ablations"
+ruler_tasks = ",".join(data.RULER_TASKS)   # --task=ruler: which of RULER's NIAH tasks (data.py)
 chunks = ""                 # chunk counts, e.g. "4,16,64,256"; "" = 1x, 4x, 16x, 64x the training n_chunks (ppl: those
                             # the longest validation document holds)
 block_size = 0              # T: X_D tokens; 0 = as trained
@@ -47,12 +52,12 @@ data_dir = ""               # its validation split is read: a folder of .txt, a 
                             # joined by commas (data.py); "" = the checkpoint's own data_dir
 depths = "0,0.25,0.5,0.75,1"    # passkey depths: 0 = key at the start of the context, 1 = at its end
 depth_band = -1.0           # each key's depth is uniform within d +- band/2; -1 = the grid's spacing; 0 = exactly d
-samples = 32                # passkey samples per (chunk count, depth) cell
+samples = 32                # passkey / ruler samples per (chunk count, depth) cell
 batch_size = 8
 # ablations: inference-time SharedLLM settings (0 / "" = as trained); noise and M need their own training run
 height = 0                  # tree height h
 beta = 0.0                  # compression C / KVs kept per chunk
-policy = ""                 # "continuation" (every recipe's) | "query" (the paper's vector) | "right" (retrieval off)
+policy = ""                 # "lexical" (every recipe's) | "query" (the paper's vector) | "right" (retrieval off)
 chunk_ids = ""              # "plain" | "off" ("random" is read like plain: at inference they are the same)
 keep = ""                   # "last" | "first" token of each stride window
 compare = ""                # ablations: more rows from other checkpoints, "label=out_dir;label=out_dir" (noise off, M)
@@ -313,6 +318,78 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
     return res
 
 
+@torch.no_grad()
+def ruler_cell(model, tok, task, n, C, depth, band, samples, seed, dev, row, W=0):
+    # One (task, chunk count, depth) cell of --task=ruler: `samples` haystacks, the first asked needle at a depth
+    # uniform in depth +- band/2. row: "SharedLLM", "none" (the question alone), "window" (model is the base model:
+    # the last W tokens of context and question) or "full" (it over all of them). -> (mean RULER score, placements:
+    # where SharedLLM's search left each asked value, shares of "leaf" / "between" / "coarse")
+    import decode
+    rng = random.Random(f"{seed}-{task}-{n}-{depth}")
+    lo, hi = max(0.0, depth - band / 2), min(1.0, depth + band / 2)
+    score, found = 0.0, dict(leaf=0, between=0, coarse=0)
+    for _ in range(samples):
+        ctx, idx, answers, spans, ql = data.ruler_sample(tok, rng, task, n, C, rng.uniform(lo, hi))
+        ctx, idx = ctx[None].to(dev), idx[None].to(dev)
+        new = len(tok.encode(" " + ", ".join(answers) + ".", bos=False))   # the values written out
+        if row == "SharedLLM":
+            memory = model.compress(ctx, idx, torch.tensor([ql]))
+            for s in spans:
+                found[data.key_placement(memory.nodes, [s], C)] += 1 / len(spans)
+            out = decode.generate(model.upper, idx, new, memory=memory)
+        elif row == "none":
+            out = decode.generate(model.upper, idx, new)
+        else:
+            seq = torch.cat([ctx.flatten(1), idx], 1)
+            out = decode.generate(model.upper, seq[:, -W:] if row == "window" else seq, new)
+        score += data.ruler_score(tok.decode(out[0, -new:].tolist()), answers)
+    return score / samples, {k: v / samples for k, v in found.items()}
+
+
+def run_ruler(model, tok, ns, C, g, dev, base=None):
+    # each task's grid over chunk counts x depths for SharedLLM, and the none / window / full rows beside it
+    ds, W, cfg = [float(x) for x in g["depths"].split(",")], g["window"], model.upper.cfg
+    tasks = g["ruler_tasks"].split(",")
+    print(f"ruler: {g['samples']} haystacks per cell, RULER's string_match_all (the share of the asked values the "
+          f"greedy answer holds); the first asked needle at depth d +- {band(g, ds) / 2:g} of n chunks x C = {C}")
+    res, placed = [], {}
+    for task in tasks:
+        grids = {"SharedLLM": {}, "none": {}, "window": {}, "full": {}}
+        for n in ns:
+            rows = {"SharedLLM": model, "none": model}
+            if W:
+                rows["window"] = base.upper
+            if g["full"] and n * C + 128 <= cfg.max_seq_len:
+                rows["full"] = base.upper
+            for name, m in rows.items():
+                for d in ds:
+                    mm = model if name in ("SharedLLM", "none") else types.SimpleNamespace(upper=m)
+                    grids[name][n, d], where = ruler_cell(mm, tok, task, n, C, d, band(g, ds), g["samples"],
+                                                          g["seed"], dev, name, W)
+                    if name == "SharedLLM":
+                        placed[task, n, d] = where
+            for d in ds:
+                res.append(dict(task=task, n_chunks=n, context_tokens=n * C, depth=d, samples=g["samples"],
+                                score=grids["SharedLLM"][n, d], without_context=grids["none"][n, d],
+                                window_attention=grids["window"].get((n, d)), window_tokens=W or None,
+                                full_attention=grids["full"].get((n, d)), **{
+                                    f"value_in_{k}": v for k, v in placed[task, n, d].items()}))
+        print(f"{task}: SharedLLM")
+        print(heatmap(grids["SharedLLM"], ns, ds, C))
+        for name in ("none", "window", "full"):
+            got = [n for n in ns if (n, ds[0]) in grids[name]]
+            if got:
+                print(f"  {name}" + (f" (the base model over the last {W:,} tokens)" if name == "window" else "")
+                      + ": " + ", ".join(f"{n * C:,} tokens {100 * sum(grids[name][n, d] for d in ds) / len(ds):.1f}%"
+                                         for n in got))
+    print(f"where the search ({model.scfg.policy!r}) left the asked values: leaf / between / coarse")
+    for task in tasks:
+        mean = lambda n, k: 100 * sum(placed[task, n, d][k] for d in ds) / len(ds)
+        print(f"  {task:<16}" + "".join(f"  {n * C:>7,}: {mean(n, 'leaf'):5.1f} / {mean(n, 'between'):5.1f} / "
+                                        f"{mean(n, 'coarse'):5.1f}%" for n in ns))
+    return res
+
+
 # Table 5 of the paper, as inference-time changes to one trained model (rows that need training say so)
 ABLATIONS = [("SharedLLM (as trained)", {}), ("height 2", {"height": 2}), ("height 4", {"height": 4}),
              ("beta 1", {"beta": 1}), ("beta 4", {"beta": 4}), ("beta 16", {"beta": 16}),
@@ -395,8 +472,12 @@ def main(g):
     out_file(g["out"])
     if g["compare"] and g["task"] != "ablations":
         print(f"note: --compare is read by --task=ablations only; --task={g['task']} leaves it out")
-    if g["task"] not in ("ppl", "passkey", "ablations"):
-        raise SystemExit(f"eval.py: --task={g['task']}: expected ppl, passkey or ablations")
+    if g["task"] not in ("ppl", "passkey", "ruler", "ablations"):
+        raise SystemExit(f"eval.py: --task={g['task']}: expected ppl, passkey, ruler or ablations")
+    unknown = [t for t in g["ruler_tasks"].split(",") if t not in data.RULER_TASKS]
+    if g["task"] == "ruler" and unknown:
+        raise SystemExit(f"eval.py: --ruler_tasks={g['ruler_tasks']}: unknown task {unknown[0]!r}; expected some of "
+                         f"{','.join(data.RULER_TASKS)}")
     if g["chunk_ids"] not in ("", "plain", "random", "off"):
         raise SystemExit(f"eval.py: --chunk_ids={g['chunk_ids']}: expected plain, random or off")
     shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "n_lower", "chunk_size", "chunk_ids") if g[k]}
@@ -447,6 +528,8 @@ def main(g):
             res = run_ppl(model, splits, ns, C, T, K, g, dev, base)
         elif g["task"] == "passkey":
             res = run_passkey(model, tok, ns, C, g, dev, base=base)
+        elif g["task"] == "ruler":
+            res = run_ruler(model, tok, ns, C, g, dev, base=base)
         else:
             res = run_ablations(model, tok, splits, ns, C, T, K, g, dev, train_cfg.get("task", ""))
     except (ValueError, FileNotFoundError) as e:

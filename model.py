@@ -6,8 +6,8 @@ context X_C, cut into chunks of C tokens: each chunk is a context tree (tree.py)
 node keeps a few of its per-layer key/value states, coarse for big nodes, fine for small ones. The
 UPPER model (the whole LLaMA) reads the running text X_D and, in its bottom M layers, cross-attends
 to them with chunk-level position ids. SharedLLM.compress runs the paper's four steps in order.
-Beyond the paper, in every recipe: the search follows what comes after the question's last words
-(continuation_policy), and training draws random chunk ids (chunk_positions).
+Beyond the paper, in every recipe: the search matches the question's words in the context
+(lexical_policy), and training draws random chunk ids (chunk_positions).
 """
 import copy
 import math
@@ -254,7 +254,7 @@ class SharedConfig:
     chunk_size: int = 1024  # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
     height: int = 3         # h: levels of the context tree below the root
     beta: float = 8.0       # the overall compression: C / (KVs kept per chunk)
-    policy: str = "continuation"   # pi, step 1: "continuation" (ours); "query" (paper), "right"
+    policy: str = "lexical"   # pi, step 1: "lexical" (ours); "query" (the paper's), "right"
     sigma: float = 0.0      # split noise in training, a fraction of l (Table 5: l/5 = 0.2; tree.py)
     chunk_ids: str = "random"   # Eq. 2: "random" (ours), "plain" (paper), "off"; chunk_positions
     max_chunk_id: int = 1024   # "random": the largest id drawn in training
@@ -262,7 +262,7 @@ class SharedConfig:
     keep: str = "last"      # which token of each stride window is kept: "last" (ours) or "first"
 
     def __post_init__(self):   # a bad setting fails here, once, not in the middle of a run
-        for name, allowed in [("policy", ("continuation", "query", "right")), ("keep", ("last",
+        for name, allowed in [("policy", ("lexical", "query", "right")), ("keep", ("last",
                               "first")), ("chunk_ids", ("random", "plain", "off")),
                               ("lower", ("shared", "copy"))]:
             if getattr(self, name) not in allowed:
@@ -364,8 +364,8 @@ class SharedLLM(nn.Module):
         # everywhere (the paper's language modeling, and any batch with no question)
         if self.scfg.policy == "right" or query_len is None or not bool((query_len > 0).any()):
             return None
-        if self.scfg.policy == "continuation":   # ours, every recipe's
-            return continuation_policy(rows, idx, query_len)
+        if self.scfg.policy == "lexical":   # ours, every recipe's
+            return lexical_policy(rows, idx, query_len)
         return self.query_policy(rows, idx, query_len)
 
     def query_policy(self, rows, idx, query_len):
@@ -512,31 +512,41 @@ def gather_spans(rows, row_ids, spans):
     return rows.reshape(-1)[at]
 
 
-MATCH_MAX = 8   # a match counts at most 8 tokens: longer ones are as rare
+NGRAM_MAX = 8   # the longest run of tokens matched against the question
 
 
-def continuation_policy(rows, idx, query_len):
-    # Step 1, ours (every recipe's), no weights: what follows the question's last words in X_C
-    # is what it asks for ("... The pass key is" -> the key), as an induction head reads it. Each
-    # position p scores the longest run of the question's last tokens ending right before p
-    # (across chunk borders, at most MATCH_MAX); each tree selects the child with the higher best
-    # score, a tie (no match, no question) the right one. rows: (B*n, C); idx: (B, T) -> select
+def lexical_policy(rows, idx, query_len):
+    # Step 1. The paper selects the child more similar to the question (cosine of hidden vectors,
+    # query_policy). Ours, every recipe's, no weights: the similarity is lexical, as the paper's
+    # Limitations suggest (BM25). A context token scores each run of up to NGRAM_MAX tokens ending at
+    # it that the question also holds, each weighed by its rarity in X_C, log(N / its count): filler
+    # repeats, a needle's words do not; a run that ends the question (its last words, as in "The
+    # pass key is") counts twice. The answer follows its cue: position p's evidence is the score of
+    # the |Q|/4 tokens before it, and each tree selects toward the first position of most evidence
+    # in its chunk (no match, no question: the right child). rows: (B*n, C); idx: (B, T) -> select
     (R, C), B = rows.shape, idx.shape[0]
-    n, q_len = R // B, query_len.to(idx.device)
-    seq = rows.reshape(B, n * C)                               # each sample's X_C in order
-    match = torch.zeros_like(seq)                              # (B, n*C) the score of every p
-    still = torch.ones_like(seq, dtype=torch.bool)             # (B, n*C) the run is unbroken
-    for j in range(1, MATCH_MAX + 1):                          # the question's j-th last token
-        q_j = idx[torch.arange(B, device=idx.device), (q_len - j).clamp(min=0)]       # (B,)
-        before = F.pad(seq, (j, 0), value=-1)[:, :n * C]       # (B, n*C) the token j before p
-        still &= (before == q_j[:, None]) & (q_len[:, None] >= j)
-        match += still
-    match = match.view(R, C)                                   # no question: 0 everywhere
-    pos = torch.arange(C, device=rows.device)                  # (C,) positions in a chunk
+    N, dev = R // B * C, rows.device
+    seq, q_len = rows.reshape(B, N), query_len.to(dev)
+    in_q = torch.arange(idx.shape[1], device=dev)[None] < q_len[:, None]               # (B, T)
+    h_seq = h_q = torch.arange(1, B + 1, device=dev)[:, None]   # a run's hash starts from its sample
+    score = torch.zeros(B, N, device=dev)
+    for k in range(1, NGRAM_MAX + 1):   # runs of k tokens, hashed (int64 wraps around: a hash)
+        h_seq = F.pad(h_seq, (1, 0))[:, :N] * 1000003 + seq + 1 if k > 1 else h_seq * 1000003 + seq + 1
+        h_q = F.pad(h_q, (1, 0))[:, :-1] * 1000003 + idx + 1 if k > 1 else h_q * 1000003 + idx + 1
+        ctx_k = h_seq.masked_fill(torch.arange(N, device=dev) < k - 1, -1)     # (B, N): -1 no run
+        q_k = h_q.masked_fill(~in_q | (torch.arange(idx.shape[1], device=dev) < k - 1), -2)
+        _, inverse, count = torch.unique(ctx_k, return_inverse=True, return_counts=True)
+        rarity = torch.log(N / count[inverse].float())                          # (B, N)
+        ends_q = ctx_k == q_k.gather(1, (q_len[:, None] - 1).clamp(min=0))      # the question's end
+        score += (torch.isin(ctx_k, q_k).float() + ends_q.float()) * rarity
+    W = (q_len // 4).clamp(min=1)[:, None]                                      # (B, 1)
+    evidence = torch.zeros(B, N, device=dev)   # the scores of [p - W, p), added in one order
+    for j in range(1, int(W.max()) + 1):       # (a cumsum's rounding would break exact ties)
+        evidence += F.pad(score, (j, 0))[:, :N] * (j <= W)
+    evidence = evidence.view(R, C)
+    best = evidence.argmax(1)                                   # the first position of the most
+    target = torch.where(evidence.amax(1) > 0, best, C - 1).tolist()
 
     def select(lefts, rights):   # each tree's two children, (start, end) each
-        spans = to_device([[*lf, *rt] for lf, rt in zip(lefts, rights)], rows.device)  # (R, 4)
-        inside = (pos >= spans[:, 0::2, None]) & (pos < spans[:, 1::2, None])      # (R, 2, C)
-        best = match[:, None].masked_fill(~inside, -1).amax(-1)     # (R, 2): each child's best
-        return (best[:, 1] >= best[:, 0]).tolist()
+        return [t >= rt[0] for t, rt in zip(target, rights)]
     return select

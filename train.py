@@ -75,7 +75,7 @@ seed = 1337
 # --- a first reading can skip the rest: every recipe's defaults; other values: ablations, scale-up
 # and control ---
 final_eval_iters = 0    # eval_iters for the last eval; 0 = eval_iters (128 haystacks: +-2 points)
-policy = "continuation"   # the search, every recipe's; ablations: "query" (the paper's), "right"
+policy = "lexical"        # the search, every recipe's; ablations: "query" (the paper's), "right"
 chunk_ids = "random"    # chunk position ids: "random" (every recipe's) | "plain" (paper's) | "off"
 keep = "last"           # "last" | "first" token of each stride window
 max_chunk_id = 1024     # "random": ids drawn up to this in training (the longest context, chunks)

@@ -17,9 +17,9 @@ from test_train import run
 def test_bench_quick_json_and_budget(tmp_path):
     out = run(["--quick=True", "--chunk_size=256", "--full_budget_s=1e-9", f"--out={tmp_path / 'b.json'}"], tmp_path,
               cmd=[sys.executable, os.path.join(ROOT, "bench.py")])
-    assert "'continuation' search adds" in out and "skipped: ~" in out
+    assert "'lexical' search adds" in out and "skipped: ~" in out
     r = json.load(open(tmp_path / "b.json"))
-    assert r["device"].startswith("cpu") and sorted(r["retrieval_overhead_pct"]) == ["continuation", "query"]
+    assert r["device"].startswith("cpu") and sorted(r["retrieval_overhead_pct"]) == ["lexical", "query"]
     assert isinstance(r["compress_pct_of_peak"], float) and r["compress_pct_of_peak"] > 0
     first, second = r["length_sweep"]
     assert first["context_tokens"] == 2048 and second["context_tokens"] == 4096
@@ -28,7 +28,7 @@ def test_bench_quick_json_and_budget(tmp_path):
     assert "budget" in second["full_attention_note"]
     for row in r["length_sweep"]:
         assert row["sharedllm_s"] > 0 and row["sharedllm_peak_mb"] >= 0
-    assert [k["value"] for k in r["knobs"]["policy"]] == ["right", "query", "continuation"]
+    assert [k["value"] for k in r["knobs"]["policy"]] == ["right", "query", "lexical"]
 
 
 def test_compressed_kv_size_and_flops_match_the_model():
@@ -55,7 +55,7 @@ def test_bench_shape_reads_only_a_config(tmp_path, capsys):
     parse_overrides(["--lengths=512", "--knob_length=512", "--chunk_size=256", "--repeats=1", "--device=cpu",
                      f"--shape={tmp_path / 'shape'}"], cfg, bench.__file__)
     res = bench.main(cfg)
-    assert "3 layers, dim 48, heads 6/2" in capsys.readouterr().out and res["retrieval_overhead_pct"]["continuation"] > -100
+    assert "3 layers, dim 48, heads 6/2" in capsys.readouterr().out and res["retrieval_overhead_pct"]["lexical"] > -100
     assert "smollm2-135m" in PRESETS and preset("smollm2-135m").n_kv_heads == 3
     for args, msg in [(["--shape=nowhere"], "--shape=nowhere: neither a model preset"),
                       ([f"--shape={tmp_path / 'shape'}", "--init_from=out"], "give one"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import data
+from tokenizer import ByteTokenizer
 import eval as E
 import sample as S
 from conftest import ROOT
@@ -268,7 +269,7 @@ def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path, monkeypatch):
                       ([f"--context=FILE:{tmp_path}/missing.txt"], "no such file"),
                       (["--n_lower=3"], "M is fixed by the checkpoint")]:
         assert msg in error_of(S, ck + args, tmp_path, monkeypatch)
-    for args, msg in [(["--task=ppx"], "--task=ppx: expected ppl, passkey or ablations"),
+    for args, msg in [(["--task=ppx"], "--task=ppx: expected ppl, passkey, ruler or ablations"),
                       (["--chunks=1000", f"--data_dir={micro_ckpt / 'docs'}"], "no validation document has"),
                       (["--chunks=0"], "--chunks=0: expected positive integers"),
                       (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected plain, random or off"),
@@ -338,7 +339,7 @@ def test_a_checkpoint_with_a_retired_setting_is_named_and_read_with_todays(micro
     # settings that left with the one method (checkpoint.RETIRED): the error names the setting and the way to read it
     ck = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
     base = ["--task=passkey", "--chunks=3", "--samples=2", "--depths=0", "--device=cpu"]
-    for setting, value, fix in [("policy", "attention", "--policy=continuation"), ("policy", "query_mean", "--policy=query"),
+    for setting, value, fix in [("policy", "attention", "--policy=lexical"), ("policy", "query_mean", "--policy=query"),
                                 ("chunk_ids", "clamp", "--chunk_ids=plain")]:
         old = {**ck, "model_args": {**ck["model_args"], "shared": {**ck["model_args"]["shared"], setting: value,
                                                                    "max_chunk_dist": 4}}}
@@ -447,3 +448,66 @@ def test_a_checkpoint_from_before_inject_was_removed(micro_ckpt, tmp_path):
     assert [i for i, b in enumerate(m.upper.layers) if b.cross_attention is not None] == list(range(n_lower))
     with pytest.raises(ValueError, match=r"top.pt: trained with cross-attention in the top layers"):
         load_sharedllm(str(tmp_path / "top.pt"))
+
+
+def test_ruler_templates_scoring_and_haystacks():
+    # RULER's NIAH wording (scripts/data/synthetic/constants.py and niah.py at commit c3f5e3b): the template, made
+    # singular when one value is asked, and its needle; its string_match_all; every haystack holds each needle once
+    # (so each asked value once per needle: twice only where two needles carry it, which never happens here)
+    import random
+    assert data.RULER_NEEDLE.format(key="k", value="1") == "One of the special magic numbers for k is: 1."
+    many, one = data.ruler_wording(4), data.ruler_wording(1)
+    assert many == ("Some special magic numbers are hidden within the following text. Make sure to memorize it. I "
+                    "will quiz you about the numbers afterwards.\n",
+                    "What are all the special magic numbers for {query} mentioned in the provided text?",
+                    " The special magic numbers for {query} mentioned in the provided text are")
+    assert one == ("A special magic number is hidden within the following text. Make sure to memorize it. I will "
+                   "quiz you about the number afterwards.\n",
+                   "What is the special magic number for {query} mentioned in the provided text?",
+                   " The special magic number for {query} mentioned in the provided text is")
+    assert data.ruler_score("1234567 and 7654321.", ["1234567", "7654321"]) == 1.0
+    assert data.ruler_score("The number is 1234567", ["1234567", "7654321"]) == 0.5
+    assert data.ruler_score("none", ["1234567"]) == 0.0
+    tok = ByteTokenizer()
+    counts = {"niah_single_1": (1, 1), "niah_single_2": (1, 1), "niah_multikey_1": (4, 1), "niah_multivalue": (4, 4),
+              "niah_multiquery": (4, 4)}   # needles, values asked
+    for task, (needles, asked) in counts.items():
+        for depth in (0.0, 0.5, 1.0):
+            ctx, idx, answers, spans, ql = data.ruler_sample(tok, random.Random(1), task, 8, 128, depth)
+            text, question = tok.decode(ctx.flatten().tolist()), tok.decode(idx.tolist())
+            assert ctx.shape == (8, 128) and ql == len(idx) and len(answers) == len(spans) == asked
+            assert text.count("One of the special magic numbers for ") == needles
+            assert text.startswith(("A special", "Some special"))
+            for value, (s, e) in zip(answers, spans):
+                assert len(value) == 7 and text.count(value) == 1 and tok.decode(ctx.flatten()[s:e].tolist()) == value
+            assert question.startswith("\nWhat ") and question.endswith((" is", " are"))
+            keys = [k for k in (w.split(" is: ")[0] for w in text.split("numbers for ")[1:])]
+            assert sum(k in question for k in set(keys)) == (4 if task == "niah_multiquery" else 1)
+            if task == "niah_single_1":                      # the filler's lines; the needle near its depth
+                assert "The grass is green. The sky is blue." in text   # (an essay's sentences can be long)
+                intro, at = text.index("\n"), text.index("One of the")   # the needle's depth in the filler
+                assert abs((at - intro) / (8 * 128 - intro - 60) - depth) < 0.1
+    with pytest.raises(ValueError, match=r"niah_multikey_1: a context of 256 tokens \(2 chunks x 128\) is too short "
+                                         r"for its intro and 4 needle\(s\): it needs more than"):
+        data.ruler_sample(tok, random.Random(0), "niah_multikey_1", 2, 128)
+    with pytest.raises(ValueError, match="unknown RULER task 'niah_single_9'"):
+        data.ruler_sample(tok, random.Random(0), "niah_single_9", 8, 128)
+
+
+def test_eval_ruler_runs_each_task_with_a_checkpoint(micro_ckpt, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    run_eval = lambda args: E.main(parse_overrides(args, config_of(vars(E)), E.__file__))
+    common = [f"--init_from={micro_ckpt}", "--device=cpu", "--task=ruler", "--depths=0.5", "--samples=1"]
+    run_eval(common + ["--chunks=16", f"--out={tmp_path / 'r.json'}"])
+    out = capsys.readouterr().out
+    res = json.load(open(tmp_path / "r.json"))["results"]
+    assert [r["task"] for r in res] == list(data.RULER_TASKS)
+    for r in res:
+        assert 0 <= r["score"] <= 1 and r["window_attention"] is not None
+        assert abs(r["value_in_leaf"] + r["value_in_between"] + r["value_in_coarse"] - 1) < 1e-9
+    assert "niah_multiquery: SharedLLM" in out and "left the asked values: leaf / between / coarse" in out
+    msg = error_of(E, common + ["--chunks=2"], tmp_path, monkeypatch)
+    assert "a context of 64 tokens (2 chunks x 32) is too short" in msg and "it needs more than" in msg
+    msg = error_of(E, common + ["--chunks=16", "--ruler_tasks=niah_single_1,qa_1"], tmp_path, monkeypatch)
+    assert msg == ("eval.py: --ruler_tasks=niah_single_1,qa_1: unknown task 'qa_1'; expected some of "
+                   + ",".join(data.RULER_TASKS))

@@ -149,7 +149,7 @@ def test_every_recipe_runs_the_one_method():
     # one search and one chunk-id form (a recipe changes sizes, never the mechanism)
     import model as M
     one = {k: getattr(M.SharedConfig(), k) for k in ("policy", "chunk_ids")}
-    assert one == {"policy": "continuation", "chunk_ids": "random"}
+    assert one == {"policy": "lexical", "chunk_ids": "random"}
     for f in sorted(glob.glob(os.path.join(ROOT, "config", "*.py"))):
         cfg = parse_overrides([f], dict(train.config), train.__file__)
         assert {k: cfg[k] for k in one} == one, f

@@ -1,5 +1,6 @@
 # SharedLLM: equivalences and invariants that the released code's bugs would have failed.
 import copy
+import math
 import random
 
 import pytest
@@ -33,7 +34,7 @@ def data(B=2, n=3, T=20, C=64, seed=1):
 
 
 @pytest.mark.parametrize("lower", ["shared", "copy"])
-@pytest.mark.parametrize("policy", ["right", "query", "continuation"])
+@pytest.mark.parametrize("policy", ["right", "query", "lexical"])
 def test_untrained_sharedllm_equals_base_llama(lower, policy):
     s, ref = build(lower=lower, policy=policy)
     ctx, idx = data()
@@ -274,7 +275,7 @@ def test_hidden_vector_is_the_first_block_at_the_last_position():
         assert (M.hidden_vectors(m, pad, lengths)[2] - h[2]).abs().max() < 2e-6
 
 
-@pytest.mark.parametrize("policy", ["right", "query", "continuation"])
+@pytest.mark.parametrize("policy", ["right", "query", "lexical"])
 def test_compressed_kv_and_gradients_equal_encoding_each_node_alone(policy):
     # The batched encoding (nodes of a level padded together, the last lower block at the kept tokens only): values
     # and gradients must equal each node encoded on its own, whichever search chose the nodes.
@@ -318,8 +319,8 @@ def test_encoding_in_small_calls_changes_nothing(policy, monkeypatch):
         assert rel_err(K1, K2) < 1e-6 and rel_err(V1, V2) < 1e-6
 
 
-@pytest.mark.parametrize("policy,kw", [("query", dict(sigma=0.2)), ("continuation", dict(sigma=0.2)),
-                                       ("continuation", dict(n_lower=3, sigma=0.2)),
+@pytest.mark.parametrize("policy,kw", [("query", dict(sigma=0.2)), ("lexical", dict(sigma=0.2)),
+                                       ("lexical", dict(n_lower=3, sigma=0.2)),
                                        ("right", dict(sigma=0.2)),
                                        ("query", dict(n_lower=1, beta=1, keep="first"))])
 def test_reference_encoding_equals_the_batched_one(policy, kw):
@@ -369,40 +370,49 @@ def encode_nodes_reference(s, rows, nodes):
     return [(torch.cat(ks), torch.cat(vs)) for ks, vs in kv]
 
 
-def test_continuation_policy_selects_toward_what_follows_the_questions_last_words():
-    # policy="continuation" (every recipe's search, beyond the paper): every context position scores the length of the longest run of the
-    # question's last tokens (at most MATCH_MAX, at most the question) that ends right before it, across chunk borders;
-    # each tree selects the child with the higher best score, a tie goes right; a row with no question goes right.
-    # Checked against that definition in plain Python, one tree at a time, and on planted runs.
-    s, _ = build(policy="continuation", height=3, sigma=0.0)
+def lexical_target(flat, q, C, chunk):
+    # lexical_policy's definition, in plain Python for one chunk of one sample: each context position t scores every
+    # run of k <= NGRAM_MAX tokens ending at it that the question holds, log(N / the run's count in X_C), twice if the
+    # question ends with it; position p's evidence is the scores of [p - W, p), W = len(q) // 4 (at least 1); the
+    # target is the chunk's first position of most evidence, or its last position when no evidence
+    from collections import Counter
+    N, W = len(flat), max(1, len(q) // 4)
+    runs = lambda seq, k: [tuple(seq[i - k + 1:i + 1]) for i in range(k - 1, len(seq))]
+    count = {k: Counter(runs(flat, k)) for k in range(1, M.NGRAM_MAX + 1)}
+    in_q = {k: set(runs(q, k)) for k in range(1, M.NGRAM_MAX + 1)}
+    score = [0.0] * N
+    for t in range(N):
+        for k in range(1, min(M.NGRAM_MAX, t + 1) + 1):
+            run = tuple(flat[t - k + 1:t + 1])
+            rarity = math.log(N / count[k][run])
+            score[t] += rarity * ((run in in_q[k]) + (len(q) >= k and run == tuple(q[-k:])))
+    evidence = [sum(score[max(0, p - W):p]) for p in range(chunk * C, (chunk + 1) * C)]
+    best = max(evidence)
+    return evidence.index(best) if best > 1e-4 else C - 1
+
+
+def test_lexical_policy_follows_its_plain_definition():
+    # policy="lexical" (every recipe's search, beyond the paper): each tree walks toward lexical_target, found here in
+    # plain Python one chunk at a time, on random tokens with the question's runs planted in other orders; a row with
+    # no question goes right, as the policy "right" does
+    s, _ = build(policy="lexical", height=3, sigma=0.0)
     ctx, idx = data(B=2, n=3)
-    ql = torch.tensor([3, 16])
-    ctx[1, 2, 4:16] = idx[1, 4:16]                          # sample 1, chunk 2: the last 12 tokens (scores 8, capped)
-    ctx[1, 2, 40:49] = idx[1, 7:16]                         # ... and the last 9 at 40..48 (scores 8 at 49): a tie
-    ctx[0, 0, 60], ctx[0, 0, 61:64] = idx[0, 0], idx[0, :3]   # sample 0 (a 3-token question): the whole of it, then
-    ctx[0, 1, 40:43] = idx[0, :3]                           # chunk 1's token 0; and at 40..42 (3 each: a tie)
-    ctx[0, 2] = ctx[0, 1].roll(7)                           # ... a chunk with only its own short matches
-
-    def score(b, p):                                        # the plain definition, on the flattened X_C
-        flat, q = ctx[b].flatten().tolist(), idx[b, :ql[b]].tolist()
-        j = 0
-        while j < min(M.MATCH_MAX, len(q), p) and flat[p - 1 - j] == q[-1 - j]:
-            j += 1
-        return j
-
+    ql = torch.tensor([5, 16])
+    ctx[1, 2, 4:10] = idx[1, 10:16]                         # sample 1: the question's last 6 tokens, in chunk 2
+    ctx[1, 1, 40:45] = idx[1, 0:5]                          # ... its first 5 in chunk 1, twice
+    ctx[1, 1, 20:25] = idx[1, 0:5]
+    ctx[0, 0, 50:53], ctx[0, 0, 30:32] = idx[0, 2:5], idx[0, 0:2]   # sample 0: its runs apart and out of order
+    ctx[0, 2, 60:64], ctx[0, 2, 0:3] = idx[0, 1:5], idx[0, 0:3]      # ... and across the border of chunks 1, 2
     with torch.no_grad():
         nodes = s.compress(ctx, idx, ql).nodes
-    for r, nds in enumerate(nodes):                         # walk each tree down by hand, from the root
-        b, c, (lo, hi) = r // 3, r % 3, (0, 64)
-        for level in (1, 2):
-            mid = lo + (hi - lo) // 2
-            best = lambda a, e: max(score(b, c * 64 + p) for p in range(a, e))
-            right = best(mid, hi) >= best(lo, mid)
-            assert [(nd.start, nd.end) for nd in nds if nd.level == level] == [(lo, mid) if right else (mid, hi)]
-            lo, hi = (mid, hi) if right else (lo, mid)
-    kept = lambda r: [(nd.start, nd.end) for nd in nodes[r] if nd.level < 3]
-    assert kept(5) == [(0, 32), (32, 48)]                   # capped at 8 both: a tie, right; then toward 49
-    assert kept(1) == [(0, 32), (48, 64)]                   # 3 and 3 (the question is 3 tokens): right; toward 43
+    targets = []
+    for r, nds in enumerate(nodes):                         # each tree holds its target in a leaf
+        b, c = r // 3, r % 3
+        t = lexical_target(ctx[b].flatten().tolist(), idx[b, :ql[b]].tolist(), 64, c)
+        targets.append(t)
+        assert next(nd for nd in nds if nd.start <= t < nd.end).level == 3, (r, t, nds)
+    assert targets[:3] != [63] * 3 and targets[3:] != [63] * 3   # the planted runs moved the trees
+    assert targets[5] == 10                                 # right after the question's own ending
     with torch.no_grad():
         none = s.compress(ctx, idx, torch.tensor([0, 0])).nodes
         mixed = s.compress(ctx, idx, torch.tensor([0, 16])).nodes   # one row without a question, one with

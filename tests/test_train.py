@@ -80,7 +80,7 @@ def test_config_errors(tmp_path, capsys):
                       (["--sigma=-1"], "--sigma=-1.0: expected a value in [0, inf]"),
                       (["--n_chunks=0"], "--n_chunks=0: expected a value in [1, inf]"),
                       (["--task=qa"], "--task=qa: expected lm, passkey or mixed"),
-                      (["--policy=attention"], "SharedConfig.policy = 'attention'; expected one of ('continuation', "
+                      (["--policy=attention"], "SharedConfig.policy = 'attention'; expected one of ('lexical', "
                                                "'query', 'right')"),
                       (["--preset=huge"], "--preset=huge: expected one of"),
                       (["--tokenizer=nonexistent.model"], "--tokenizer=nonexistent.model: nonexistent.model: no tokenizer"),
@@ -194,7 +194,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, capsys):
     train_in_process(common + [f"--out_dir={part}", "--stop_iter=3"], tmp_path)
     assert torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)["iter_num"] == 3
     # a SharedLLM setting other than the checkpoint's is refused, not silently replaced by the checkpoint's
-    with pytest.raises(SystemExit, match=re.escape("was trained with policy='continuation', chunk_ids='random' but this "
+    with pytest.raises(SystemExit, match=re.escape("was trained with policy='lexical', chunk_ids='random' but this "
                                                    "run sets policy='query', chunk_ids='off'")):
         train_in_process(common + [f"--out_dir={part}", "--init_from=resume", "--chunk_ids=off", "--policy=query"],
                          tmp_path)
@@ -489,15 +489,15 @@ def test_the_smollm2_retrieval_recipe_trains_only_the_cross_attention(tmp_path, 
     import model
     ck, docs = tiny_llama_and_docs(tmp_path)
     searched = []   # the search, counted in training steps and evaluations alike (it has no weights, no mode)
-    policy = model.continuation_policy
-    monkeypatch.setattr(model, "continuation_policy", lambda *a: searched.append(1) or policy(*a))
+    policy = model.lexical_policy
+    monkeypatch.setattr(model, "lexical_policy", lambda *a: searched.append(1) or policy(*a))
     train_in_process([os.path.join(ROOT, "config", "smollm2_retrieval_cpu.py"), f"--init_from={ck}",
                       f"--data_dir={docs}", "--n_lower=1", "--chunk_size=64", "--chunk_schedule=1:2",
                       "--beta_schedule=1:1", "--block_size=32", "--batch_size=2", "--max_iters=6", "--lm_from=3",
                       "--passkey_frac=0.5", "--eval_interval=6", "--eval_iters=1", "--eval_chunks=2",
                       "--final_eval_chunks=", "--final_eval_iters=0", "--log_interval=1", "--device=cpu",
                       f"--out_dir={tmp_path / 'out'}"], tmp_path)
-    assert "policy='continuation'" in capsys.readouterr().out and searched           # the one search ran
+    assert "policy='lexical'" in capsys.readouterr().out and searched           # the one search ran
     kinds = {k for line in open(tmp_path / "out" / "log.jsonl") for k in json.loads(line).get("loss", {})}
     assert kinds == {"passkey", "lm"}                                                # both kinds of batch trained
     trained, base = load_sharedllm(str(tmp_path / "out"))[0].state_dict(), load_llama(str(ck)).state_dict()
