@@ -287,13 +287,13 @@ def check_lengths(tok, splits, train_counts, eval_counts, task, chunk_size, bloc
 
 # ------------------------------------------------------------------------------------------------
 # RULER's needle-in-a-haystack tasks (Hsieh et al., 2024, "RULER: What's the Real Context Size of
-# Your Long-Context Language Models?"), written from its published templates and task configuration
-# (scripts/synthetic.yaml and scripts/data/synthetic/niah.py at commit c3f5e3b): a needle "One of
-# the special magic numbers for {key} is: {value}." with a word key and a 7-digit value, in the
-# passkey's filler ("noise", sentences one a line) or in prose ("essay"). Ours: the essay is Python's
-# own reference documentation (pydoc, in every Python) in place of Paul Graham's essays, the keys
-# are adjective-noun pairs from the short lists below (RULER: wonderwords' lists), and the needle we
-# score for search placement is the first one asked, put at the cell's depth.
+# Your Long-Context Language Models?"), written from its published templates and configuration
+# (scripts/synthetic.yaml, scripts/data/synthetic/niah.py at commit c3f5e3b): a needle "One of the
+# special magic numbers for {key} is: {value}." with a word key and a 7-digit value, in the
+# passkey's filler ("noise", one copy a line) or in prose ("essay"). Ours: the essay is Python's
+# reference documentation (pydoc, in every Python) in place of Paul Graham's essays, the keys are
+# adjective-noun pairs from the lists below (RULER: wonderwords' lists), and the first asked
+# needle sits at the cell's depth.
 RULER_TASKS = {   # name: (haystack, keys with a needle, values per key, keys asked)
     "niah_single_1": ("noise", 1, 1, 1),
     "niah_single_2": ("essay", 1, 1, 1),
@@ -301,24 +301,28 @@ RULER_TASKS = {   # name: (haystack, keys with a needle, values per key, keys as
     "niah_multivalue": ("essay", 1, 4, 1),
     "niah_multiquery": ("essay", 4, 1, 4),
 }
-RULER_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+RULER_NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+               "There and back again.")
 RULER_NEEDLE = "One of the special magic numbers for {key} is: {value}."
-RULER_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-               "I will quiz you about the numbers afterwards.\n")
-RULER_QUESTION = "What are all the special magic numbers for {query} mentioned in the provided text?"
+RULER_INTRO = ("Some special magic numbers are hidden within the following text. "
+               "Make sure to memorize it. I will quiz you about the numbers afterwards.\n")
+RULER_QUESTION = ("What are all the special magic numbers for {query} mentioned in the provided "
+                  "text?")
 RULER_ANSWER = " The special magic numbers for {query} mentioned in the provided text are"
-ADJECTIVES = ("amber brave calm dusty eager faint gaudy hollow icy jolly keen lively mellow nimble odd plain quiet "
-              "rusty shy tidy upbeat vivid wary young zesty bitter clever damp elastic fuzzy gentle humble itchy "
-              "jagged kind lean misty narrow oval proud rapid sandy tall ugly vast witty").split()
-NOUNS = ("anchor basket candle drawer engine falcon garden harbor island jacket kettle ladder meadow needle "
-         "orchard pencil quarry ribbon saddle tunnel umbrella valley wagon yard zipper beacon cabin dolphin "
-         "feather glacier hammer lantern mirror nugget oyster parrot quilt rocket spoon tiger violin walnut").split()
+ADJECTIVES = """amber brave calm dusty eager faint gaudy hollow icy jolly keen lively mellow
+    nimble odd plain quiet rusty shy tidy upbeat vivid wary young zesty bitter clever damp
+    elastic fuzzy gentle humble itchy jagged kind lean misty narrow oval proud rapid sandy tall
+    ugly vast witty""".split()
+NOUNS = """anchor basket candle drawer engine falcon garden harbor island jacket kettle ladder
+    meadow needle orchard pencil quarry ribbon saddle tunnel umbrella valley wagon yard zipper
+    beacon cabin dolphin feather glacier hammer lantern mirror nugget oyster parrot quilt rocket
+    spoon tiger violin walnut""".split()
 
 
 def ruler_wording(n_asked_values):
-    # RULER words its template in the singular when one value is asked: "A special magic number is hidden
-    # ...", "What is the special magic number for ...", "... mentioned in the provided text is" (the needles
-    # keep "numbers"). -> (intro, question, answer prefix) with {query} to fill
+    # -> (intro, question, answer prefix), {query} to fill. RULER words them in the singular when
+    # one value is asked ("A special magic number is hidden ...", "What is the special magic number
+    # for ...", "... is"); the needles keep "numbers".
     texts = (RULER_INTRO, RULER_QUESTION, RULER_ANSWER)
     if n_asked_values > 1:
         return texts
@@ -338,21 +342,22 @@ def essay_sentences():
 
 
 def value_span(tok, needle_text, value):
-    # the tokens of a needle, and [start, end) of the run of them that spells its value (the first token whose
-    # text reaches into the value, to the first that completes it: BPE may glue the space before it on)
+    # -> the needle's tokens, and [start, end) of those that spell its value: from the first token
+    # whose text reaches into the value to the first that completes it (BPE may glue a space on)
     ids = tok.encode(needle_text, bos=False)
     before = needle_text[:needle_text.index(value)]
     prefixes = range(len(ids) + 1)
-    start = bisect.bisect_left(prefixes, True, key=lambda i: len(tok.decode(ids[:i])) > len(before)) - 1
+    reaches = lambda i: len(tok.decode(ids[:i])) > len(before)
+    start = bisect.bisect_left(prefixes, True, key=reaches) - 1
     end = bisect.bisect_left(prefixes, True, key=lambda i: before + value in tok.decode(ids[:i]))
     return ids, (start, end)
 
 
 def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
-    # One haystack of a RULER task: X_C = the intro, then the haystack with the needles (the first asked one at
-    # `depth`, the others at random depths), exactly n*C tokens; X_D = the question and the answer prefix.
-    # -> (context (n, C), idx (T,), answers [value strings asked], spans [(start, end)] of each asked value in
-    # the flattened context, query_len = T: the whole of X_D is the question)
+    # One haystack of a RULER task. X_C: the intro, then the haystack with the needles (the first
+    # asked at `depth`, the others anywhere), n*C tokens; X_D: the question and the answer prefix.
+    # -> context (n, C), idx (T,), the asked values (strings), their [start, end) in the flattened
+    # context (the first asked first), query_len = T (all of X_D is the question)
     if task not in RULER_TASKS:
         raise ValueError(f"unknown RULER task {task!r}; expected one of {', '.join(RULER_TASKS)}")
     haystack, n_keys, n_values, n_asked = RULER_TASKS[task]
@@ -361,52 +366,52 @@ def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
     values = {k: [str(rng.randint(10 ** 6, 10 ** 7 - 1)) for _ in range(n_values)] for k in keys}
     asked = rng.sample(keys, n_asked)
     sep = "\n" if haystack == "noise" else " "
-    needles = []   # (tokens, the value's span in them, the value if asked else None), the first asked first
-    for k in sorted(keys, key=lambda k: k != asked[0]):
+    needles = []   # (tokens, the value's span in them, the value if asked else None)
+    for k in sorted(keys, key=lambda k: k != asked[0]):          # the first asked first
         for v in values[k]:
             ids, span = value_span(tok, sep + RULER_NEEDLE.format(key=k, value=v), v)
             needles.append((ids, span, v if k in asked else None))
     query = asked[0] if n_asked == 1 else ", ".join(asked[:-1]) + ", and " + asked[-1]
     intro, question, answer = (t.format(query=query) for t in ruler_wording(n_asked * n_values))
     L = n_chunks * chunk_size
-    head = tok.encode(intro.rstrip("\n"))   # BOS where the tokenizer adds one; the haystack brings its separator
+    head = tok.encode(intro.rstrip("\n"))   # BOS where the tokenizer has one; the haystack: sep
     room = L - len(head) - sum(len(ids) for ids, _, _ in needles)
     if room < 1:
-        raise ValueError(f"{task}: a context of {L} tokens ({n_chunks} chunks x {chunk_size}) is too short for its "
-                         f"intro and {len(needles)} needle(s): it needs more than {L - room} tokens")
-    # the haystack as units of tokens (a separator and a sentence), at least `room` tokens of them
+        raise ValueError(f"{task}: a context of {L} tokens ({n_chunks} chunks x {chunk_size}) is "
+                         f"too short for its intro and {len(needles)} needle(s): it needs more "
+                         f"than {L - room} tokens")
+    # the haystack as units (a separator and a sentence) of tokens, `room` tokens of them
     if haystack == "noise":
-        line = tok.encode(sep + RULER_NOISE, bos=False)   # RULER: the filler, one copy a line
+        line = tok.encode(sep + RULER_NOISE, bos=False)
         unit = lambda i: line
     else:   # the essay's sentences from a random one on, each tokenized after its space
-        essay, first = essay_sentences(), rng.randrange(len(essay_sentences()))
+        essay = essay_sentences()
+        first = rng.randrange(len(essay))
         unit = lambda i: tok.encode(sep + essay[(first + i) % len(essay)], bos=False)
     hay, cuts = [], [0]
     while len(hay) < room:
         hay += unit(len(cuts))
         cuts.append(len(hay))
-    hay = hay[:room]
-    cuts = [c for c in cuts if c <= room]
-    # each needle goes in at the sentence boundary nearest its depth (the first asked at `depth`)
+    hay, cuts = hay[:room], [c for c in cuts if c <= room]
+    # each needle goes in at the unit boundary nearest its depth
     depths = [depth] + [rng.random() for _ in needles[1:]]
     at = [min(cuts, key=lambda c: abs(c - d * room)) for d in depths]
-    order = sorted(range(len(needles)), key=lambda i: (at[i], i))
     ctx, spans, done = list(head), [], 0
-    for i in order:
-        ctx += hay[done:at[i]]
-        done = at[i]
+    for i in sorted(range(len(needles)), key=lambda i: (at[i], i)):
+        ctx, done = ctx + hay[done:at[i]], at[i]
         ids, (s, e), value = needles[i]
         if value is not None:
             spans.append((i, len(ctx) + s, len(ctx) + e))
         ctx += ids
     ctx += hay[done:]
     assert len(ctx) == L, (len(ctx), L)
-    spans = [(s, e) for _, s, e in sorted(spans)]   # in needle order: the first asked first
+    spans = [(s, e) for _, s, e in sorted(spans)]                # in needle order
     answers = [v for _, _, v in needles if v is not None]
     idx = tok.encode("\n" + question + answer, bos=False)
-    return torch.tensor(ctx).view(n_chunks, chunk_size), torch.tensor(idx), answers, spans, len(idx)
+    ctx = torch.tensor(ctx).view(n_chunks, chunk_size)
+    return ctx, torch.tensor(idx), answers, spans, len(idx)
 
 
 def ruler_score(prediction, answers):
-    # RULER's string_match_all: the share of the asked values that the answer holds (case-insensitive)
+    # RULER's string_match_all: the share of the asked values that the answer holds (any case)
     return sum(a.lower() in prediction.lower() for a in answers) / len(answers)

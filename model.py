@@ -516,36 +516,37 @@ NGRAM_MAX = 8   # the longest run of tokens matched against the question
 
 
 def lexical_policy(rows, idx, query_len):
-    # Step 1. The paper selects the child more similar to the question (cosine of hidden vectors,
-    # query_policy). Ours, every recipe's, no weights: the similarity is lexical, as the paper's
-    # Limitations suggest (BM25). A context token scores each run of up to NGRAM_MAX tokens ending at
-    # it that the question also holds, each weighed by its rarity in X_C, log(N / its count): filler
-    # repeats, a needle's words do not; a run that ends the question (its last words, as in "The
-    # pass key is") counts twice. The answer follows its cue: position p's evidence is the score of
-    # the |Q|/4 tokens before it, and each tree selects toward the first position of most evidence
-    # in its chunk (no match, no question: the right child). rows: (B*n, C); idx: (B, T) -> select
-    (R, C), B = rows.shape, idx.shape[0]
-    N, dev = R // B * C, rows.device
-    seq, q_len = rows.reshape(B, N), query_len.to(dev)
-    in_q = torch.arange(idx.shape[1], device=dev)[None] < q_len[:, None]               # (B, T)
-    h_seq = h_q = torch.arange(1, B + 1, device=dev)[:, None]   # a run's hash starts from its sample
-    score = torch.zeros(B, N, device=dev)
-    for k in range(1, NGRAM_MAX + 1):   # runs of k tokens, hashed (int64 wraps around: a hash)
-        h_seq = F.pad(h_seq, (1, 0))[:, :N] * 1000003 + seq + 1 if k > 1 else h_seq * 1000003 + seq + 1
-        h_q = F.pad(h_q, (1, 0))[:, :-1] * 1000003 + idx + 1 if k > 1 else h_q * 1000003 + idx + 1
-        ctx_k = h_seq.masked_fill(torch.arange(N, device=dev) < k - 1, -1)     # (B, N): -1 no run
-        q_k = h_q.masked_fill(~in_q | (torch.arange(idx.shape[1], device=dev) < k - 1), -2)
-        _, inverse, count = torch.unique(ctx_k, return_inverse=True, return_counts=True)
-        rarity = torch.log(N / count[inverse].float())                          # (B, N)
+    # Step 1. The paper selects the child more similar to the question (query_policy, a cosine).
+    # Ours, every recipe's: the similarity is lexical (the paper's Limitations name BM25), no
+    # weights. Each context token scores the runs of up to NGRAM_MAX tokens ending at it that the
+    # question holds, each log(N / its count in X_C): filler repeats, a needle's words do not; a
+    # run that ends the question ("The pass key is") counts twice. The answer follows its cue:
+    # position p's evidence is the score of the |Q|/4 tokens before it, and each tree selects
+    # toward its chunk's first position of most evidence (none: right). rows: (B*n, C); idx: (B, T)
+    (R, C), (B, T), dev = rows.shape, idx.shape, rows.device
+    N, seq, q_len = R // B * C, rows.reshape(B, R // B * C), query_len.to(dev)   # seq: X_C in order
+    at_q, at_seq = torch.arange(T, device=dev)[None], torch.arange(N, device=dev)[None]
+    past_q = at_q >= q_len[:, None]                        # (B, T): X_D after the question
+    sample = torch.arange(1, B + 1, device=dev)[:, None]   # a run's hash starts from its sample
+    h_seq, h_q, score = sample.expand(B, N), sample.expand(B, T), torch.zeros(B, N, device=dev)
+    for k in range(1, NGRAM_MAX + 1):   # the runs of k tokens ending at each position, hashed
+        h_seq = h_seq.roll(1, 1) * 1000003 + seq + 1    # (int64 wraps around: still a hash)
+        h_q = h_q.roll(1, 1) * 1000003 + idx + 1
+        ctx_k = h_seq.masked_fill(at_seq < k - 1, -1)                        # (B, N): -1 no run
+        q_k = h_q.masked_fill(past_q | (at_q < k - 1), -2)                    # (B, T)
+        ids = torch.unique(torch.cat([ctx_k, q_k], 1), return_inverse=True)[1]   # one id a run
+        ctx_ids, q_ids = ids[:, :N], ids[:, N:]
+        count = torch.bincount(ctx_ids.flatten(), minlength=int(ids.max()) + 1)   # each run, in X_C
+        in_q = torch.zeros_like(count, dtype=torch.bool).index_fill_(0, q_ids.flatten(), True)
+        rarity = torch.log(N / count[ctx_ids].float())                          # (B, N)
         ends_q = ctx_k == q_k.gather(1, (q_len[:, None] - 1).clamp(min=0))      # the question's end
-        score += (torch.isin(ctx_k, q_k).float() + ends_q.float()) * rarity
+        score += (in_q[ctx_ids].float() + ends_q.float()) * rarity
     W = (q_len // 4).clamp(min=1)[:, None]                                      # (B, 1)
     evidence = torch.zeros(B, N, device=dev)   # the scores of [p - W, p), added in one order
     for j in range(1, int(W.max()) + 1):       # (a cumsum's rounding would break exact ties)
         evidence += F.pad(score, (j, 0))[:, :N] * (j <= W)
-    evidence = evidence.view(R, C)
-    best = evidence.argmax(1)                                   # the first position of the most
-    target = torch.where(evidence.amax(1) > 0, best, C - 1).tolist()
+    evidence = evidence.view(R, C)           # argmax: the first position of the most evidence
+    target = torch.where(evidence.amax(1) > 0, evidence.argmax(1), C - 1).tolist()
 
     def select(lefts, rights):   # each tree's two children, (start, end) each
         return [t >= rt[0] for t, rt in zip(target, rights)]
