@@ -4,6 +4,7 @@ Measure a SharedLLM the way the paper does, with the protocol printed next to ev
   python eval.py --task=ppl         # perplexity with vs without the compressed context, at several chunk counts
   python eval.py --task=passkey     # exact match over context lengths x key depths, with an ASCII heatmap
   python eval.py --task=ruler       # RULER's five needle tasks (Hsieh et al., 2024): generated answers, RULER's score
+  python eval.py --task=search      # where each search (ours, the paper's, right, an oracle) leaves the asked values
   python eval.py --task=ablations   # the paper's Table 5 rows, as inference-time changes to one checkpoint
   python eval.py --task=passkey --policy=right --out=right.json    # any ablation flag, any task; JSON out
 
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 import data
+import tree
 import plots
 from configurator import (auto_device, check_ranges, config_of, kvs_per_chunk, out_file, package_path, package_paths,
                           parse_overrides)
@@ -36,8 +38,8 @@ from checkpoint import base_model, load_sharedllm
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
 init_from = "out"           # a train.py out_dir (or its ckpt.pt), or a LLaMA-2 folder in HF layout
-task = "ppl"                # "ppl" | "passkey" | "ruler" | "ablations"
-ruler_tasks = ",".join(data.RULER_TASKS)   # --task=ruler: which of RULER's NIAH tasks (data.py)
+task = "ppl"                # "ppl" | "passkey" | "ruler" | "search" | "ablations"
+ruler_tasks = ",".join(data.RULER_TASKS)   # --task=ruler / search: which of RULER's NIAH tasks (data.py)
 chunks = ""                 # chunk counts, e.g. "4,16,64,256"; "" = 1x, 4x, 16x, 64x the training n_chunks (ppl: those
                             # the longest validation document holds)
 block_size = 0              # T: X_D tokens; 0 = as trained
@@ -318,30 +320,49 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
     return res
 
 
-@torch.no_grad()
-def ruler_cell(model, tok, task, n, C, depth, band, samples, seed, dev, row, W=0):
-    # One (task, chunk count, depth) cell of --task=ruler: `samples` haystacks, the first asked needle at a depth
-    # uniform in depth +- band/2. row: "SharedLLM", "none" (the question alone), "window" (model is the base model:
-    # the last W tokens of context and question) or "full" (it over all of them). -> (mean RULER score, placements:
-    # where SharedLLM's search left each asked value, shares of "leaf" / "between" / "coarse")
-    import decode
-    rng = random.Random(f"{seed}-{task}-{n}-{depth}")
+def ruler_haystacks(tok, task, n, C, depth, band, samples, seed):
+    # the haystacks of one (task, chunk count, depth) cell, each at a depth uniform in depth +- band/2:
+    # (context (1, n, C), X_D (1, T), query_len (1,), the asked values, where X_C names each). The passkey's
+    # are passkey_accuracy's (one value, named twice: its mentions), RULER's data.ruler_sample's.
+    rng = random.Random(f"{seed}-{n}-{depth}" if task == "passkey" else f"{seed}-{task}-{n}-{depth}")
     lo, hi = max(0.0, depth - band / 2), min(1.0, depth + band / 2)
-    score, found = 0.0, dict(leaf=0, between=0, coarse=0)
     for _ in range(samples):
-        ctx, idx, answers, spans, ql = data.ruler_sample(tok, rng, task, n, C, rng.uniform(lo, hi))
-        ctx, idx = ctx[None].to(dev), idx[None].to(dev)
-        new = len(tok.encode(" " + ", ".join(answers) + ".", bos=False))   # the values written out
-        if row == "SharedLLM":
-            memory = model.compress(ctx, idx, torch.tensor([ql]))
-            for s in spans:
-                found[data.key_placement(memory.nodes, [s], C)] += 1 / len(spans)
-            out = decode.generate(model.upper, idx, new, memory=memory)
-        elif row == "none":
-            out = decode.generate(model.upper, idx, new)
+        if task == "passkey":
+            ctx, idx, tgt, ql = data.collate([data.passkey_sample(tok, rng, n, C, depth=rng.uniform(lo, hi))], tok)
+            yield ctx, idx, ql, [tok.decode(tgt[tgt != -100].tolist())], [data.batch_mentions(ctx, tgt)[0]]
         else:
+            ctx, idx, answers, spans, ql = data.ruler_sample(tok, rng, task, n, C, rng.uniform(lo, hi))
+            yield ctx[None], idx[None], torch.tensor([ql]), answers, [[s] for s in spans]
+
+
+def placement(nodes, mentions, C):
+    # where a tree left each asked value (data.key_placement; mentions: per value, its runs in X_C) -> shares
+    found = dict(leaf=0.0, between=0.0, coarse=0.0)
+    for m in mentions:
+        found[data.key_placement(nodes, m, C)] += 1 / len(mentions)
+    return found
+
+
+@torch.no_grad()
+def ruler_cell(model, upper, tok, task, n, C, depth, band, samples, seed, dev, row, W=0):
+    # One cell of --task=ruler: the mean RULER score over its haystacks, and where SharedLLM's search
+    # left the asked values (shares of leaf / between / coarse). upper decodes greedily after the
+    # answer prefix; row: "SharedLLM" (with the compressed context), "none" (the question alone),
+    # "window" (upper, the base model, over the last W tokens of context and question), "full" (all)
+    import decode
+    score, found = 0.0, dict(leaf=0.0, between=0.0, coarse=0.0)
+    for ctx, idx, ql, answers, mentions in ruler_haystacks(tok, task, n, C, depth, band, samples, seed):
+        ctx, idx = ctx.to(dev), idx.to(dev)
+        new = len(tok.encode(" " + ", ".join(answers) + ".", bos=False))   # the values written out
+        memory, seq = None, idx
+        if row == "SharedLLM":
+            memory = model.compress(ctx, idx, ql)
+            for k, v in placement(memory.nodes, mentions, C).items():
+                found[k] += v
+        elif row != "none":
             seq = torch.cat([ctx.flatten(1), idx], 1)
-            out = decode.generate(model.upper, seq[:, -W:] if row == "window" else seq, new)
+            seq = seq[:, -W:] if row == "window" else seq
+        out = decode.generate(upper, seq, new, memory=memory)
         score += data.ruler_score(tok.decode(out[0, -new:].tolist()), answers)
     return score / samples, {k: v / samples for k, v in found.items()}
 
@@ -356,24 +377,22 @@ def run_ruler(model, tok, ns, C, g, dev, base=None):
     for task in tasks:
         grids = {"SharedLLM": {}, "none": {}, "window": {}, "full": {}}
         for n in ns:
-            rows = {"SharedLLM": model, "none": model}
+            rows = {"SharedLLM": model.upper, "none": model.upper}
             if W:
                 rows["window"] = base.upper
             if g["full"] and n * C + 128 <= cfg.max_seq_len:
                 rows["full"] = base.upper
-            for name, m in rows.items():
+            for name, upper in rows.items():
                 for d in ds:
-                    mm = model if name in ("SharedLLM", "none") else types.SimpleNamespace(upper=m)
-                    grids[name][n, d], where = ruler_cell(mm, tok, task, n, C, d, band(g, ds), g["samples"],
-                                                          g["seed"], dev, name, W)
+                    grids[name][n, d], where = ruler_cell(model, upper, tok, task, n, C, d, band(g, ds),
+                                                          g["samples"], g["seed"], dev, name, W)
                     if name == "SharedLLM":
                         placed[task, n, d] = where
-            for d in ds:
-                res.append(dict(task=task, n_chunks=n, context_tokens=n * C, depth=d, samples=g["samples"],
-                                score=grids["SharedLLM"][n, d], without_context=grids["none"][n, d],
-                                window_attention=grids["window"].get((n, d)), window_tokens=W or None,
-                                full_attention=grids["full"].get((n, d)), **{
-                                    f"value_in_{k}": v for k, v in placed[task, n, d].items()}))
+            res += [dict(task=task, n_chunks=n, context_tokens=n * C, depth=d, samples=g["samples"],
+                         score=grids["SharedLLM"][n, d], without_context=grids["none"][n, d],
+                         window_attention=grids["window"].get((n, d)), window_tokens=W or None,
+                         full_attention=grids["full"].get((n, d)),
+                         **{f"value_in_{k}": v for k, v in placed[task, n, d].items()}) for d in ds]
         print(f"{task}: SharedLLM")
         print(heatmap(grids["SharedLLM"], ns, ds, C))
         for name in ("none", "window", "full"):
@@ -387,6 +406,42 @@ def run_ruler(model, tok, ns, C, g, dev, base=None):
         mean = lambda n, k: 100 * sum(placed[task, n, d][k] for d in ds) / len(ds)
         print(f"  {task:<16}" + "".join(f"  {n * C:>7,}: {mean(n, 'leaf'):5.1f} / {mean(n, 'between'):5.1f} / "
                                         f"{mean(n, 'coarse'):5.1f}%" for n in ns))
+    return res
+
+
+@torch.no_grad()
+def run_search(model, tok, ns, C, g, dev):
+    # --task=search: where each search leaves the asked values, no decoding: the checkpoint's own, the
+    # paper's vector ("query"), "right", and an oracle that walks to the first asked value's first token
+    ds, trained = [float(x) for x in g["depths"].split(",")], model.scfg
+    searches = list(dict.fromkeys([trained.policy, "query", "right", "oracle"]))
+    tasks, res = ["passkey"] + g["ruler_tasks"].split(","), []
+    print(f"search: {g['samples']} haystacks per cell and depth {ds}; a leaf holds an asked value whole / only the "
+          f"coarsest node holds it (C = {C}, height {trained.height}, beta {trained.beta:g})")
+    print(f"{'search':<10}" + "".join(f"{t + '@' + str(n):>24}" for t in tasks for n in ns))
+    for name in searches:
+        policy = trained.policy if name == "oracle" else name   # (the oracle reads no policy)
+        cells, model.scfg = [], type(trained)(**{**trained.__dict__, "policy": policy})
+        for task in tasks:
+            for n in ns:
+                found = dict(leaf=0.0, between=0.0, coarse=0.0)
+                for d in ds:
+                    for ctx, idx, ql, _, mentions in ruler_haystacks(tok, task, n, C, d, band(g, ds), g["samples"],
+                                                                     g["seed"]):
+                        rows = ctx.flatten(0, 1).to(dev)
+                        if name == "oracle":   # toward the first token of the first value's first mention
+                            a = mentions[0][0][0]
+                            select = lambda lefts, rights: [r != a // C or rt[0] <= a % C
+                                                            for r, rt in enumerate(rights)]
+                        else:
+                            select = model.search_policy(rows, idx.to(dev), ql)
+                        nodes = tree.search(n, C, trained.height, trained.beta, select)
+                        for k, v in placement(nodes, mentions, C).items():
+                            found[k] += v / (len(ds) * g["samples"])
+                cells.append(found)
+                res.append(dict(search=name, task=task, n_chunks=n, context_tokens=n * C, **found))
+        print(f"{name:<10}" + "".join(f"{100 * f['leaf']:15.1f} / {100 * f['coarse']:5.1f}%" for f in cells))
+    model.scfg = trained
     return res
 
 
@@ -472,10 +527,10 @@ def main(g):
     out_file(g["out"])
     if g["compare"] and g["task"] != "ablations":
         print(f"note: --compare is read by --task=ablations only; --task={g['task']} leaves it out")
-    if g["task"] not in ("ppl", "passkey", "ruler", "ablations"):
-        raise SystemExit(f"eval.py: --task={g['task']}: expected ppl, passkey, ruler or ablations")
+    if g["task"] not in ("ppl", "passkey", "ruler", "search", "ablations"):
+        raise SystemExit(f"eval.py: --task={g['task']}: expected ppl, passkey, ruler, search or ablations")
     unknown = [t for t in g["ruler_tasks"].split(",") if t not in data.RULER_TASKS]
-    if g["task"] == "ruler" and unknown:
+    if g["task"] in ("ruler", "search") and unknown:
         raise SystemExit(f"eval.py: --ruler_tasks={g['ruler_tasks']}: unknown task {unknown[0]!r}; expected some of "
                          f"{','.join(data.RULER_TASKS)}")
     if g["chunk_ids"] not in ("", "plain", "random", "off"):
@@ -494,11 +549,13 @@ def main(g):
     except (ValueError, AssertionError):
         raise SystemExit(f"eval.py: --chunks={g['chunks']}: expected positive integers like 4,16,64") from None
     T = g["block_size"] or train_cfg.get("block_size", 0)
-    if T <= 0:
-        raise SystemExit("eval.py: set --block_size (X_D tokens): the model folder does not say what it was trained with")
     K = g["score_last"] or min(256, T // 2)
-    if not 1 <= K <= T:
-        raise SystemExit(f"eval.py: --score_last={K}: expected 1..T={T}")
+    if g["task"] not in ("ruler", "search"):   # (their X_D is the question: no T, no K)
+        if T <= 0:
+            raise SystemExit("eval.py: set --block_size (X_D tokens): the model folder does not say what it was "
+                             "trained with")
+        if not 1 <= K <= T:
+            raise SystemExit(f"eval.py: --score_last={K}: expected 1..T={T}")
     if g["window"] == -1:
         g["window"] = model.upper.cfg.max_seq_len
     least = K if g["task"] == "ppl" else passkey_xd(tok) + XD_MARGIN   # the scored tokens, or the question and key
@@ -530,6 +587,8 @@ def main(g):
             res = run_passkey(model, tok, ns, C, g, dev, base=base)
         elif g["task"] == "ruler":
             res = run_ruler(model, tok, ns, C, g, dev, base=base)
+        elif g["task"] == "search":
+            res = run_search(model, tok, ns, C, g, dev)
         else:
             res = run_ablations(model, tok, splits, ns, C, T, K, g, dev, train_cfg.get("task", ""))
     except (ValueError, FileNotFoundError) as e:

@@ -269,7 +269,7 @@ def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path, monkeypatch):
                       ([f"--context=FILE:{tmp_path}/missing.txt"], "no such file"),
                       (["--n_lower=3"], "M is fixed by the checkpoint")]:
         assert msg in error_of(S, ck + args, tmp_path, monkeypatch)
-    for args, msg in [(["--task=ppx"], "--task=ppx: expected ppl, passkey, ruler or ablations"),
+    for args, msg in [(["--task=ppx"], "--task=ppx: expected ppl, passkey, ruler, search or ablations"),
                       (["--chunks=1000", f"--data_dir={micro_ckpt / 'docs'}"], "no validation document has"),
                       (["--chunks=0"], "--chunks=0: expected positive integers"),
                       (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected plain, random or off"),
@@ -506,6 +506,11 @@ def test_eval_ruler_runs_each_task_with_a_checkpoint(micro_ckpt, tmp_path, monke
         assert 0 <= r["score"] <= 1 and r["window_attention"] is not None
         assert abs(r["value_in_leaf"] + r["value_in_between"] + r["value_in_coarse"] - 1) < 1e-9
     assert "niah_multiquery: SharedLLM" in out and "left the asked values: leaf / between / coarse" in out
+    run_eval(common + ["--chunks=16", "--task=search", "--ruler_tasks=niah_single_1", f"--out={tmp_path / 's.json'}"])
+    res = json.load(open(tmp_path / "s.json"))["results"]   # every search on the passkey and the asked task
+    assert [(r["search"], r["task"]) for r in res] == [(s, t) for s in ("query", "right", "oracle")
+                                                        for t in ("passkey", "niah_single_1")]
+    assert all(r["coarse"] == 0 for r in res if r["search"] == "oracle")   # it walks to the value
     msg = error_of(E, common + ["--chunks=2"], tmp_path, monkeypatch)
     assert "a context of 64 tokens (2 chunks x 32) is too short" in msg and "it needs more than" in msg
     msg = error_of(E, common + ["--chunks=16", "--ruler_tasks=niah_single_1,qa_1"], tmp_path, monkeypatch)
