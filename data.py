@@ -379,7 +379,7 @@ def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
     if room < 1:
         raise ValueError(f"{task}: a context of {L} tokens ({n_chunks} chunks x {chunk_size}) is "
                          f"too short for its intro and {len(needles)} needle(s): it needs more "
-                         f"than {L - room} tokens")
+                         f"than {L - room} tokens (more chunks: eval.py --chunks)")
     # the haystack as units (a separator and a sentence) of tokens, `room` tokens of them
     if haystack == "noise":
         line = tok.encode(sep + RULER_NOISE, bos=False)
