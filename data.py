@@ -241,15 +241,20 @@ def collate(samples, tok):
 
 
 def get_batch(kind, B, rng, tok, splits, n_chunks, chunk_size, T, split="train"):
-    # kind: "lm" | "passkey" -> context (B, n, C), idx (B, T), targets (B, T), query_len (B,)
+    # kind: "lm" | "passkey" | "needles" (the passkey or another needle: needle_sample) ->
+    # context (B, n, C), idx (B, T), targets (B, T), query_len (B,)
     # (T None: passkey samples as long as their question and key, padded to the longest of the batch)
-    samples = [passkey_sample(tok, rng, n_chunks, chunk_size, T) if kind == "passkey"
-               else lm_sample(splits[split], rng, n_chunks, chunk_size, T) for _ in range(B)]
-    return collate(samples, tok)
+    def sample():
+        if kind == "lm":
+            return lm_sample(splits[split], rng, n_chunks, chunk_size, T)
+        if kind == "needles" and rng.random() >= PASSKEY_SHARE:
+            return needle_sample(tok, rng, n_chunks, chunk_size, T)
+        return passkey_sample(tok, rng, n_chunks, chunk_size, T)
+    return collate([sample() for _ in range(B)], tok)
 
 
 def check_lengths(tok, splits, train_counts, eval_counts, task, chunk_size, block_size, pad_passkeys, data_dir,
-                  verbose=True):
+                  verbose=True, needles="passkey"):
     # train.py's start-up check of every length the run will use against the data, not at iteration 2,500 or
     # after training, where a crash would cost the run (errors name its flags). Training must fit; an evaluation
     # length that no validation document can hold a language-modeling window for is evaluated on passkeys only, and
@@ -265,6 +270,16 @@ def check_lengths(tok, splits, train_counts, eval_counts, task, chunk_size, bloc
         xd = max(sum(map(len, passkey_question(tok, k))) for k in keys) - 1
         if pad_passkeys and block_size < xd:   # (else a passkey batch is as long as it needs)
             raise SystemExit(f"--block_size={block_size}: the passkey question and answer take up to {xd} tokens")
+        if needles == "mix":   # up to 4 facts in X_C; a question, answer prefix and value in X_D
+            facts, xd = needle_lengths(tok)
+            least = min(train_counts)
+            if least * chunk_size <= facts:
+                raise SystemExit(f"--needles=mix with --chunk_size={chunk_size} and --n_chunks / "
+                                 f"--chunk_schedule: {least} chunk(s) hold {least * chunk_size} "
+                                 f"tokens; 4 needles take up to {facts}")
+            if pad_passkeys and block_size < xd:
+                raise SystemExit(f"--block_size={block_size} with --needles=mix: a needle's "
+                                 f"question, answer prefix and value take up to {xd} tokens")
     if task == "passkey":
         return []
     need = lambda n: n * chunk_size + block_size + 1
@@ -415,3 +430,94 @@ def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
 def ruler_score(prediction, answers):
     # RULER's string_match_all: the share of the asked values that the answer holds (any case)
     return sum(a.lower() in prediction.lower() for a in answers) / len(answers)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training needles beyond the passkey (ours, for the retrieval recipes: --needles=mix). A reader
+# trained on the passkey alone learns to copy what follows "The pass key is"; these teach it to
+# copy the value after any question about any key: a fact hidden in the haystack, a question that
+# names the fact's key in its own words, and an answer prefix; only the value's tokens are scored.
+# RULER's wording is one template (with other keys: words of the essay, not RULER_TASKS' lists);
+# the other four are ours, and put the key and value in other orders. Some haystacks hold up to
+# three more facts of the same template with other keys: the reader must pick the asked one.
+PASSKEY_SHARE = 1 / 3          # of needle batches' samples: the passkey itself
+NEEDLE_TEMPLATES = [           # (fact, question, answer prefix)
+    ("One of the special magic numbers for {key} is: {value}.",
+     "What is the special magic number for {key} mentioned in the provided text?",
+     "The special magic number for {key} mentioned in the provided text is"),
+    ("The {key} is kept in locker number {value}.",
+     "Which locker is the {key} kept in?", "The {key} is in locker number"),
+    ("Remember that the secret code of the {key} is {value}.",
+     "Tell me the {key}'s secret code.", "Its secret code is"),
+    ("Room {value} is where you will find the {key}.",
+     "In which room can I find the {key}?", "You will find the {key} in room"),
+    ("We wrote the number {value} on the {key} yesterday.",
+     "What did we write on the {key}?", "We wrote the number"),
+]
+
+
+def needle_words():
+    # words that name a training key: the essay's lowercase words of 4-9 letters (cached)
+    if not hasattr(needle_words, "cache"):
+        words = {w for s in essay_sentences() for w in s.split() if w.isalpha() and w.islower()}
+        needle_words.cache = sorted(w for w in words if 4 <= len(w) <= 9)
+    return needle_words.cache
+
+
+def needle_lengths(tok):
+    # -> the most tokens 4 facts and one X_D of needle_sample take (keys: a fixed sample of 200)
+    rng, words = random.Random(0), needle_words()
+    keys = [f"{rng.choice(words)} {rng.choice(words)}" for _ in range(200)]
+    most = lambda texts: max(len(tok.encode(t, bos=False)) for t in texts)
+    fact = most(f"\n{f}".format(key=k, value=9999999) for f, _, _ in NEEDLE_TEMPLATES for k in keys)
+    xd = most(f"\n{q} {a} 9999999".format(key=k) for _, q, a in NEEDLE_TEMPLATES for k in keys)
+    return 4 * fact, xd - 1
+
+
+def needle_sample(tok, rng, n_chunks, chunk_size, T=None):
+    # One training haystack of a random template: X_C the filler or the essay with the asked fact
+    # at a random depth (and up to 3 others); X_D the question, the answer prefix and the value,
+    # tokenized as one text; only the value's tokens (from the space before it) are scored.
+    # -> context (n, C), idx, targets, query_len (= the question and prefix: what the search reads)
+    fact, question, answer = rng.choice(NEEDLE_TEMPLATES)
+    words = needle_words()
+    keys, n_keys = [], rng.choice((1, 1, 2, 4))
+    while len(keys) < n_keys:
+        key = f"{rng.choice(words)} {rng.choice(words)}"
+        keys += [key] if key not in keys else []
+    digits = rng.randint(4, 7)                                   # RULER's values have 7
+    values = [str(rng.randint(10 ** (digits - 1), 10 ** digits - 1)) for _ in keys]
+    sep = "\n" if rng.random() < 0.5 else " "                   # the filler's lines or prose
+    facts = [tok.encode(sep + fact.format(key=k, value=v), bos=False) for k, v in zip(keys, values)]
+    L = n_chunks * chunk_size
+    head = tok.encode("")                                        # BOS, where the tokenizer adds one
+    room = L - len(head) - sum(map(len, facts))
+    if room < 1:
+        raise ValueError(f"a context of {L} tokens is too short for {len(facts)} needle(s) "
+                         f"({L - room} tokens)")
+    essay, first = essay_sentences(), rng.randrange(len(essay_sentences()))
+    unit = (lambda i: tok.encode(sep + RULER_NOISE, bos=False)) if sep == "\n" else (
+        lambda i: tok.encode(sep + essay[(first + i) % len(essay)], bos=False))
+    hay, cuts = [], [0]
+    while len(hay) < room:
+        hay += unit(len(cuts))
+        cuts.append(len(hay))
+    hay, cuts = hay[:room], [c for c in cuts if c <= room]
+    at = sorted((rng.choice(cuts), i) for i in range(len(facts)))
+    ctx, done = list(head), 0
+    for cut, i in at:
+        ctx, done = ctx + hay[done:cut] + facts[i], cut
+    ctx += hay[done:]
+    text = f"\n{question} {answer}".format(key=keys[0])
+    ids, (start, end) = value_span(tok, f"{text} {values[0]}.", f" {values[0]}")
+    xd = ids[:end]
+    T = T or len(xd) - 1
+    if T < len(xd) - 1:
+        raise ValueError(f"block_size T={T} is too short for a needle's question and answer "
+                         f"({len(xd) - 1} tokens)")
+    filler = passkey_ids(tok)["filler"]
+    xd = xd + (filler * (T // len(filler) + 2))[: T + 1 - len(xd)]            # not scored
+    idx, targets = torch.tensor(xd[:-1]), torch.tensor(xd[1:])
+    targets[: start - 1] = -100
+    targets[end - 1:] = -100
+    return torch.tensor(ctx).view(n_chunks, chunk_size), idx, targets, start

@@ -59,6 +59,8 @@ beta_schedule = "1:300,2:450,4:600"     # beta: 1 until iter 300, 2 until 450, .
 lm_from = 1500          # "mixed": text batches join here (from the start, they stall the passkey)
 passkey_frac = 0.67     # "mixed": the share of passkey batches (each batch is one kind)
 pad_passkeys = True     # pad passkey batches to block_size (False: as long as question + answer)
+needles = "passkey"     # "passkey" | "mix": the passkey or, 2 in 3 samples, a fact of another
+                        # template asked in other words (ours, for the retrieval recipes: data.py)
 context_dropout = 0.25  # share of text batches without X_C: the upper model also works alone
 ema_decay = 0.998       # evaluate and save a moving average of the weights; 0 = off
 # optimizer: AdamW (beta1 0.9, no weight decay), gradients clipped at norm 1, cosine learning rate
@@ -139,7 +141,7 @@ def main():
     train_counts = sorted({n for n, _ in chunk_pairs} | {n_chunks})
     lm_eval_counts = data.check_lengths(
         tok, splits, train_counts, sorted(set(sum(eval_counts.values(), []))), task, chunk_size,
-        block_size, pad_passkeys, data_dir, master)
+        block_size, pad_passkeys, data_dir, master, needles)
     if chunk_ids == "random" and max(train_counts) > max_chunk_id:
         raise SystemExit(f"--max_chunk_id={max_chunk_id}: random chunk ids for "
                          f"{max(train_counts)} chunks need at least {max(train_counts)}")
@@ -296,6 +298,8 @@ def check_settings(dev, dev_type, dt):
         n_chunks=(1, inf), block_size=(1, inf), stop_iter=(0, inf)))
     if task not in ("lm", "passkey", "mixed"):
         raise SystemExit(f"--task={task}: expected lm, passkey or mixed")
+    if needles not in ("passkey", "mix"):
+        raise SystemExit(f"--needles={needles}: expected passkey or mix")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise SystemExit(f"--out_dir={out_dir}: a file, not a folder")
     if dt == "float16" and dev_type != "cuda":
@@ -323,6 +327,8 @@ def next_batch(rng, iter_num, tok, splits, n, dev):
     kind = task
     if task == "mixed":
         kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"
+    if kind == "passkey" and needles == "mix":
+        kind = "needles"
     T = block_size if kind == "lm" or pad_passkeys else None   # padded after the answer
     ctx, idx, tgt, ql = data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size, T)
     ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)

@@ -80,6 +80,13 @@ def test_config_errors(tmp_path, capsys):
                       (["--sigma=-1"], "--sigma=-1.0: expected a value in [0, inf]"),
                       (["--n_chunks=0"], "--n_chunks=0: expected a value in [1, inf]"),
                       (["--task=qa"], "--task=qa: expected lm, passkey or mixed"),
+                      (["--needles=all"], "--needles=all: expected passkey or mix"),
+                      (["--needles=mix", "--chunk_size=160"],
+                       "--block_size=48 with --needles=mix: a needle's question, answer prefix and "
+                       "value take up to 179 tokens"),
+                      (["--needles=mix", "--pad_passkeys=False"],
+                       "--needles=mix with --chunk_size=32 and --n_chunks / --chunk_schedule: 2 "
+                       "chunk(s) hold 64 tokens; 4 needles take up to 280"),
                       (["--policy=attention"], "SharedConfig.policy = 'attention'; expected one of ('lexical', "
                                                "'query', 'right')"),
                       (["--preset=huge"], "--preset=huge: expected one of"),
@@ -164,6 +171,39 @@ def test_passkey_sample():
         scored = (tgt != -100).nonzero().flatten().tolist()
         assert tok.decode(tgt[scored].tolist()) == "12345" and scored == list(range(qlen - 1, qlen + 4))
         assert tok.decode(idx[:qlen].tolist()) == data.QUESTION
+
+
+def asked(xd):   # -> the needle template and key whose question and answer prefix X_D is
+    for t in data.NEEDLE_TEMPLATES:
+        pattern = re.escape(f"\n{t[1]} {t[2]}").replace(re.escape("{key}"), "(.+?)")
+        m = re.fullmatch(pattern, xd)
+        if m and len(set(m.groups())) == 1:
+            return t, m.group(1)
+    raise AssertionError(f"no template asks {xd!r}")
+
+
+def test_needle_sample_asks_one_fact_in_other_words_and_scores_its_value():
+    # --needles=mix: each haystack holds its asked fact once, the question names its key, not its
+    # value, and only the value's tokens (from the space before it) are scored
+    tok, rng, seen = ByteTokenizer(), random.Random(0), set()
+    for _ in range(40):
+        ctx, idx, tgt, qlen = data.needle_sample(tok, rng, 8, 128)
+        text, xd = tok.decode(ctx.flatten().tolist()), tok.decode(idx[:qlen].tolist())
+        value = tok.decode(tgt[tgt != -100].tolist())
+        assert ctx.shape == (8, 128) and value.startswith(" ") and value[1:].isdigit()
+        scored = (tgt != -100).nonzero().flatten().tolist()
+        assert scored == list(range(qlen - 1, qlen - 1 + len(value)))
+        template, key = asked(xd)
+        assert value[1:] not in xd
+        assert text.count(template[0].format(key=key, value=value[1:])) == 1   # the fact, once
+        seen.add(data.NEEDLE_TEMPLATES.index(template))
+    assert seen == set(range(len(data.NEEDLE_TEMPLATES)))
+    batch = data.get_batch("needles", 12, random.Random(1), tok, None, 8, 128, None)
+    assert batch[0].shape == (12, 8, 128) and batch[1].shape == batch[2].shape
+    with pytest.raises(ValueError, match="block_size T=20 is too short for a needle's question"):
+        data.needle_sample(tok, random.Random(0), 8, 128, T=20)
+    with pytest.raises(ValueError, match="a context of 64 tokens is too short for"):
+        data.needle_sample(tok, random.Random(0), 1, 64)
 
 
 def test_fixed_batch_overfits():
@@ -482,7 +522,8 @@ def test_final_eval_reads_more_haystacks_and_more_text_windows(tmp_path):
 
 
 def test_the_smollm2_retrieval_recipe_trains_only_the_cross_attention(tmp_path, capsys, monkeypatch):
-    # config/smollm2_retrieval_cpu.py on a random tiny checkpoint (its sizes scaled down): passkey batches, then text
+    # config/smollm2_retrieval_cpu.py on a random tiny checkpoint (its sizes scaled down): needle
+    # batches, then text
     # batches, the one search; the base model's every weight stays as it was, the cross-attention moves
     from checkpoint import load_sharedllm
     from load_llama import load_llama
@@ -492,14 +533,14 @@ def test_the_smollm2_retrieval_recipe_trains_only_the_cross_attention(tmp_path, 
     policy = model.lexical_policy
     monkeypatch.setattr(model, "lexical_policy", lambda *a: searched.append(1) or policy(*a))
     train_in_process([os.path.join(ROOT, "config", "smollm2_retrieval_cpu.py"), f"--init_from={ck}",
-                      f"--data_dir={docs}", "--n_lower=1", "--chunk_size=64", "--chunk_schedule=1:2",
+                      f"--data_dir={docs}", "--n_lower=1", "--chunk_size=144", "--chunk_schedule=",
                       "--beta_schedule=1:1", "--block_size=32", "--batch_size=2", "--max_iters=6", "--lm_from=3",
                       "--passkey_frac=0.5", "--eval_interval=6", "--eval_iters=1", "--eval_chunks=2",
                       "--final_eval_chunks=", "--final_eval_iters=0", "--log_interval=1", "--device=cpu",
                       f"--out_dir={tmp_path / 'out'}"], tmp_path)
     assert "policy='lexical'" in capsys.readouterr().out and searched           # the one search ran
     kinds = {k for line in open(tmp_path / "out" / "log.jsonl") for k in json.loads(line).get("loss", {})}
-    assert kinds == {"passkey", "lm"}                                                # both kinds of batch trained
+    assert kinds == {"needles", "lm"}                                # both kinds of batch trained
     trained, base = load_sharedllm(str(tmp_path / "out"))[0].state_dict(), load_llama(str(ck)).state_dict()
     cross = {k for k in trained if ".cross_" in k}
     assert all(torch.equal(trained["upper." + k], v) for k, v in base.items())      # the base model, bit for bit
