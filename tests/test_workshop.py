@@ -196,6 +196,9 @@ def test_every_workshop_command_runs_with_a_micro_config(micro_run, tmp_path, mo
             extra = ["--samples=2", "--max_windows=2"] if script == "eval.py" else []
             # micro chunks of 32 tokens hold at most beta 8 (4 nodes of at least one KV each)
             args = [f"--beta={min(8, int(a[7:]))}" if a.startswith("--beta=") else a for a in args]
+            # ... and RULER's intro and needle take more than 4 of them: 16 chunks at least
+            if any(a.startswith("--ruler_tasks=") for a in args):
+                args = ["--chunks=16" if a.startswith("--chunks=") else a for a in args]
             mod.main(parse_overrides(args + extra, config_of(vars(mod)), mod.__file__))
         else:
             monkeypatch.setattr(sys, "argv", [script] + args)
