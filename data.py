@@ -368,6 +368,23 @@ def value_span(tok, needle_text, value):
     return ids, (start, end)
 
 
+def fill_haystack(tok, first, room):
+    # `room` tokens of haystack, as units (a separator and a sentence): the noise's lines (first
+    # None), or the essay's sentences from sentence `first` on, each tokenized after its space.
+    # -> the tokens, and the unit boundaries (where a needle may go in)
+    essay = essay_sentences()
+    if first is None:
+        line = tok.encode("\n" + RULER_NOISE, bos=False)
+        unit = lambda i: line
+    else:
+        unit = lambda i: tok.encode(" " + essay[(first + i) % len(essay)], bos=False)
+    hay, cuts = [], [0]
+    while len(hay) < room:
+        hay += unit(len(cuts))
+        cuts.append(len(hay))
+    return hay[:room], [c for c in cuts if c <= room]
+
+
 def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
     # One haystack of a RULER task. X_C: the intro, then the haystack with the needles (the first
     # asked at `depth`, the others anywhere), n*C tokens; X_D: the question and the answer prefix.
@@ -395,19 +412,8 @@ def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
         raise ValueError(f"{task}: a context of {L} tokens ({n_chunks} chunks x {chunk_size}) is "
                          f"too short for its intro and {len(needles)} needle(s): it needs more "
                          f"than {L - room} tokens (more chunks: eval.py --chunks)")
-    # the haystack as units (a separator and a sentence) of tokens, `room` tokens of them
-    if haystack == "noise":
-        line = tok.encode(sep + RULER_NOISE, bos=False)
-        unit = lambda i: line
-    else:   # the essay's sentences from a random one on, each tokenized after its space
-        essay = essay_sentences()
-        first = rng.randrange(len(essay))
-        unit = lambda i: tok.encode(sep + essay[(first + i) % len(essay)], bos=False)
-    hay, cuts = [], [0]
-    while len(hay) < room:
-        hay += unit(len(cuts))
-        cuts.append(len(hay))
-    hay, cuts = hay[:room], [c for c in cuts if c <= room]
+    first = rng.randrange(len(essay_sentences())) if haystack == "essay" else None
+    hay, cuts = fill_haystack(tok, first, room)
     # each needle goes in at the unit boundary nearest its depth
     depths = [depth] + [rng.random() for _ in needles[1:]]
     at = [min(cuts, key=lambda c: abs(c - d * room)) for d in depths]
@@ -495,14 +501,8 @@ def needle_sample(tok, rng, n_chunks, chunk_size, T=None):
     if room < 1:
         raise ValueError(f"a context of {L} tokens is too short for {len(facts)} needle(s) "
                          f"({L - room} tokens)")
-    essay, first = essay_sentences(), rng.randrange(len(essay_sentences()))
-    unit = (lambda i: tok.encode(sep + RULER_NOISE, bos=False)) if sep == "\n" else (
-        lambda i: tok.encode(sep + essay[(first + i) % len(essay)], bos=False))
-    hay, cuts = [], [0]
-    while len(hay) < room:
-        hay += unit(len(cuts))
-        cuts.append(len(hay))
-    hay, cuts = hay[:room], [c for c in cuts if c <= room]
+    first = rng.randrange(len(essay_sentences()))                  # (drawn for the noise too)
+    hay, cuts = fill_haystack(tok, None if sep == "\n" else first, room)
     at = sorted((rng.choice(cuts), i) for i in range(len(facts)))
     ctx, done = list(head), 0
     for cut, i in at:
