@@ -208,7 +208,7 @@ def length_sweep(g, m, lengths, gen, ql, peak, dev, dt):
     sweep, last_full = [], None
     for L in lengths:
         ctx, idx = random_inputs(m, gen, L, T, dev)
-        s_t, s_mb = measure(lambda: m(ctx, idx, query_len=ql), dev, g["repeats"])
+        s_t, s_mb = measure(lambda: m(ctx, idx, question_len=ql), dev, g["repeats"])
         k_t, _ = measure(lambda: m.compress(ctx, idx, ql), dev, g["repeats"])
         pct = 100 * compress_flops(m, L // C) / k_t / peak
         f_t, f_mb, skip, last_full = full_attention(g, m, ctx, idx, L, last_full, dev)
@@ -233,7 +233,7 @@ def knob_rows(g, m, knob, values, ctx, idx, ql, dev, dt):
         try:
             mk = build(g, dev, dt, n_lower=v) if knob == "n_lower" else m
             mk.scfg = M.SharedConfig(**{**base.__dict__, knob: v})
-            t, mb = measure(lambda: mk(ctx, idx, query_len=ql), dev, g["repeats"])
+            t, mb = measure(lambda: mk(ctx, idx, question_len=ql), dev, g["repeats"])
         except ValueError as e:
             print(f"  {knob} = {v}: not possible ({e})")
             continue
@@ -248,7 +248,7 @@ def knob_rows(g, m, knob, values, ctx, idx, ql, dev, dt):
 def knob_tables(g, m, ctx, idx, ql, dev, dt):
     # 2. the appendix's knobs at one length -> {knob: rows}
     tables = [("n_lower", (1, 2) if g["quick"] else (1, 2, 4, 8)), ("beta", (1, 8, 64) if g["quick"] else (1, 2, 4, 8, 16, 32, 64)),
-              ("height", (1, 3) if g["quick"] else (1, 2, 3, 4)), ("policy", ("right", "query", "lexical"))]
+              ("height", (1, 3) if g["quick"] else (1, 2, 3, 4)), ("policy", ("right", "vector", "lexical"))]
     print(f"\nknobs at {g['knob_length']:,} context tokens (others as above):")
     return {knob: knob_rows(g, m, knob, values, ctx, idx, ql, dev, dt) for knob, values in tables}
 
@@ -257,7 +257,7 @@ def retrieval_overhead(g, m, ctx, idx, ql, dev):
     # what each query-aware search costs: "right" and the policy alternated, so that drift in the machine's speed hits
     # both alike -> {policy: how much slower than "right", %}
     base, out = m.scfg, {}
-    for policy in ("query", "lexical"):
+    for policy in ("vector", "lexical"):
         ts = {"right": [], policy: []}
         with torch.no_grad():
             for _ in range(max(3, 2 * g["repeats"])):
@@ -265,7 +265,7 @@ def retrieval_overhead(g, m, ctx, idx, ql, dev):
                     m.scfg = M.SharedConfig(**{**base.__dict__, "policy": p})
                     sync(dev)
                     t = time.perf_counter()
-                    m(ctx, idx, query_len=ql)
+                    m(ctx, idx, question_len=ql)
                     sync(dev)
                     ts[p].append(time.perf_counter() - t)
         m.scfg = base

@@ -1,16 +1,17 @@
 """
 Data for train.py, eval.py and sample.py, with no download.
 
-- Long documents for language modeling: by default the Python standard library's own .py files (present on
-  every machine with Python; many are 20K-100K tokens, and code is what the paper's CodeParrot column measures),
-  or every .txt file under `data_dir`; several sources joined by commas make a mix of domains, sampled evenly.
-  Tokenized once and cached as one memory-mapped token file plus document offsets (nanoGPT's prepare.py style);
-  split into train/val by document.
-- Passkey retrieval (the Landmark / LongLoRA format): a 5-digit random key at a given depth inside the context,
-  filler around it, the question at the end of X_D; only the answer tokens are scored.
+- Long documents for language modeling: by default the Python standard library's own .py files
+  (present on every machine with Python; many are 20K-100K tokens, and code is what the paper's
+  CodeParrot column measures), or every .txt file under `data_dir`; several sources joined by
+  commas make a mix of domains, sampled evenly. Tokenized once and cached as one memory-mapped
+  token file plus document offsets (nanoGPT's prepare.py style); split into train/val by document.
+- Passkey retrieval (the Landmark / LongLoRA format): a 5-digit random key at a given depth inside
+  the context, filler around it, the question at the end of X_D; only the answer tokens are scored.
 
-A sample is (context (n, C), idx (T,), targets (T,), query_len): X_C precedes X_D in the same document;
-query_len is how many leading tokens of X_D are the query (the passkey question; 0 for language modeling).
+A sample is (context (n, C), idx (T,), targets (T,), question_len): X_C precedes X_D in the same
+document; question_len is how many leading tokens of X_D are the query (the passkey question; 0 for
+language modeling).
 """
 import bisect
 import glob
@@ -23,15 +24,18 @@ import sysconfig
 import numpy as np
 import torch
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+          "There and back again. ")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = "What is the pass key? The pass key is "   # then the key, tokenized as in the needle (passkey_question)
+QUESTION = "What is the pass key? The pass key is "   # then the key, tokenized as in the needle
+                                                      # (passkey_question)
 
 
 def corpus_files(data_dir=""):
-    # one source -> its files: a folder (every .txt below it), a glob pattern, one file, "stdlib" (or "": the standard
-    # library's .py) or "pydoc" (Python's reference documentation, which every Python ships as pydoc_data/topics.py).
-    # The two names win over a folder called so: write ./stdlib for that.
+    # one source -> its files: a folder (every .txt below it), a glob pattern, one file, "stdlib"
+    # (or "": the standard library's .py) or "pydoc" (Python's reference documentation, which every
+    # Python ships as pydoc_data/topics.py). The two names win over a folder called so: write
+    # ./stdlib for that.
     if data_dir in ("", "stdlib"):
         return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
     if data_dir == "pydoc":
@@ -43,14 +47,15 @@ def corpus_files(data_dir=""):
     pattern = data_dir if glob.has_magic(data_dir) else os.path.join(data_dir, "**", "*.txt")
     files = sorted(glob.glob(pattern, recursive=True))
     if not files:
-        raise FileNotFoundError(f"data_dir={data_dir!r} holds no .txt files" if pattern != data_dir else
-                                f"data_dir={data_dir!r} matches no file")
+        raise FileNotFoundError(f"data_dir={data_dir!r} holds no .txt files" if pattern != data_dir
+                                else f"data_dir={data_dir!r} matches no file")
     return files
 
 
 def source_texts(source, files):
-    # the documents of one source, as text. pydoc's ~80 topics (460K characters) become 4 documents of at least
-    # 100K characters each (topics in alphabetical order, the rest joining the last), long enough for long contexts.
+    # the documents of one source, as text. pydoc's ~80 topics (460K characters) become 4 documents
+    # of at least 100K characters each (topics in alphabetical order, the rest joining the last),
+    # long enough for long contexts.
     if source != "pydoc":
         return [open(f, encoding="utf-8", errors="replace").read() for f in files]
     from pydoc_data.topics import topics
@@ -63,20 +68,24 @@ def source_texts(source, files):
 
 
 def held_out(i, count, val_every):
-    # every val_every-th document of a source is validation, and a source with fewer documents holds out its last
+    # every val_every-th document of a source is validation, and a source with fewer documents holds
+    # out its last
     return i % val_every == val_every - 1 or (count < val_every and i == count - 1)
 
 
 def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10, splits=("train", "val")):
-    # -> {"train": (tokens, offsets[, source]), "val": (...)}; offsets[i]:offsets[i+1] is document i; with several
-    # comma-separated sources, source[i] is the source document i came from (lm_sample draws sources evenly)
+    # -> {"train": (tokens, offsets[, source]), "val": (...)}; offsets[i]:offsets[i+1] is
+    # document i; with several comma-separated sources, source[i] is the source document i came
+    # from (lm_sample draws sources evenly)
     sources = data_dir.split(",") if data_dir else [""]
     if len(sources) > 1 and "" in sources:   # "a,b," would quietly add the standard library
-        raise ValueError(f"data_dir={data_dir!r}: an empty source between commas (the standard library is 'stdlib')")
+        raise ValueError(f"data_dir={data_dir!r}: an empty source between commas (the standard "
+                         "library is 'stdlib')")
     files = [corpus_files(src) for src in sources]
-    # the cache's name: the tokenizer and the files; but for the default (whose name never changed), also the sources'
-    # names, which decide how files become documents (pydoc makes 4 of its one file, a path to that file 1), and the
-    # format's version, 2 since the names joined, so no cache written before (pydoc and its path shared one) is read
+    # the cache's name: the tokenizer and the files; but for the default (whose name never changed),
+    # also the sources' names, which decide how files become documents (pydoc makes 4 of its one
+    # file, a path to that file 1), and the format's version, 2 since the names joined, so no cache
+    # written before (pydoc and its path shared one) is read
     default = sources in ([""], ["stdlib"])
     sig = json.dumps([tok.spec, [(f, os.path.getsize(f)) for fs in files for f in fs]]
                      + ([] if default else [sources, 2]), sort_keys=True)
@@ -95,21 +104,26 @@ def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10, splits=("tra
 
 
 def write_split(tok, sources, files, split, path, cache_dir, dtype, val_every, data_dir):
-    # tokenize one split's documents (BOS as the tokenizer has it) into path.bin, .offsets.npy (and .source.npy)
+    # tokenize one split's documents (BOS as the tokenizer has it) into path.bin, .offsets.npy (and
+    # .source.npy)
     docs, source = [], []
     for s, (src, fs) in enumerate(zip(sources, files)):
         texts = source_texts(src, fs)
-        picked = [tok.encode(t) for i, t in enumerate(texts) if held_out(i, len(texts), val_every) == (split == "val")]
+        picked = [tok.encode(t) for i, t in enumerate(texts)
+                  if held_out(i, len(texts), val_every) == (split == "val")]
         docs, source = docs + picked, source + [s] * len(picked)
         if not picked and len(sources) > 1:
-            raise ValueError(f"{src}: its {len(texts)} document(s) leave the {split} split without it")
+            raise ValueError(f"{src}: its {len(texts)} document(s) leave the {split} split "
+                             "without it")
     if not docs:
-        raise ValueError(f"{data_dir or 'the standard library'}: {sum(map(len, files))} document(s) leave the {split} "
-                         f"split empty (each source holds out every {val_every}th document for validation, a source of "
-                         f"fewer than {val_every} documents its last: a lone document is for eval.py, not training)")
+        raise ValueError(f"{data_dir or 'the standard library'}: {sum(map(len, files))} "
+                         f"document(s) leave the {split} split empty (each source holds out every "
+                         f"{val_every}th document for validation, a source of fewer than "
+                         f"{val_every} documents its last: a lone document is for eval.py, not "
+                         "training)")
     offsets = np.cumsum([0] + [len(d) for d in docs])
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"      # per process: two runs preparing at once never share a file
+    tmp = f"{path}.{os.getpid()}.tmp"   # per process: two runs preparing at once never share a file
     arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=(max(1, int(offsets[-1])),))
     arr[: offsets[-1]] = np.concatenate(docs)
     arr.flush()
@@ -120,19 +134,21 @@ def write_split(tok, sources, files, split, path, cache_dir, dtype, val_every, d
         os.replace(tmp, path + ".source.npy")
     with open(tmp, "wb") as f:
         np.save(f, offsets)
-    os.replace(tmp, path + ".offsets.npy")   # renamed last: its presence means the cache is complete
+    # renamed last: its presence means the cache is complete
+    os.replace(tmp, path + ".offsets.npy")
     print(f"prepared {split}: {len(docs)} documents, {offsets[-1]:,} tokens -> {path}.bin")
 
 
 def lm_sample(split, rng, n_chunks, chunk_size, T):
-    # a window of n*C + T + 1 tokens from one document: X_C, then X_D (idx) and its next tokens (targets)
+    # a window of n*C + T + 1 tokens from one document: X_C, then X_D (idx) and its next tokens
+    # (targets)
     tokens, offsets = split[:2]
     need = n_chunks * chunk_size + T + 1
     lens = np.diff(offsets)
     ok = np.nonzero(lens >= need)[0]
     if len(ok) == 0:
-        raise ValueError(f"no document has {need} tokens (n_chunks={n_chunks} x chunk_size={chunk_size} + T={T} + 1); "
-                         f"the longest has {lens.max()}")
+        raise ValueError(f"no document has {need} tokens (n_chunks={n_chunks} x "
+                         f"chunk_size={chunk_size} + T={T} + 1); the longest has {lens.max()}")
     if len(split) > 2:   # several sources: a source first, evenly, then one of its documents
         sources = sorted(set(split[2][ok].tolist()))
         ok = ok[split[2][ok] == sources[rng.randrange(len(sources))]]
@@ -140,7 +156,8 @@ def lm_sample(split, rng, n_chunks, chunk_size, T):
     s = int(offsets[d]) + rng.randrange(int(lens[d]) - need + 1)
     w = torch.from_numpy(tokens[s:s + need].astype(np.int64))
     ctx = w[: n_chunks * chunk_size].view(n_chunks, chunk_size)
-    return ctx, w[n_chunks * chunk_size:-1], w[n_chunks * chunk_size + 1:], 0   # no query: the tree goes right
+    # no question: the tree goes right
+    return ctx, w[n_chunks * chunk_size:-1], w[n_chunks * chunk_size + 1:], 0
 
 
 def passkey_ids(tok):
@@ -151,29 +168,32 @@ def passkey_ids(tok):
 
 
 def passkey_question(tok, key):
-    # -> (question ids, answer ids) of X_D. The question and the key are tokenized as ONE text that ends as the needle's
-    # first sentence does, "The pass key is 12345.", so the answer's tokens are exactly the needle's: a tokenizer may
-    # fold the space into the key (GPT-2: ' 735', '12') or make a token of it ('▁', '7', ...): it does the same in
-    # both. The question is every token before the first one that shows a digit; the answer runs to the key's end.
-    # Both "shows a digit" and "shows the whole key" only turn true as tokens are added: found by bisection, a few
+    # -> (question ids, answer ids) of X_D. The question and the key are tokenized as ONE text that
+    # ends as the needle's first sentence does, "The pass key is 12345.", so the answer's tokens are
+    # exactly the needle's: a tokenizer may fold the space into the key (GPT-2: ' 735', '12') or
+    # make a token of it ('▁', '7', ...): it does the same in both. The question is every token
+    # before the first one that shows a digit; the answer runs to the key's end. Both "shows a
+    # digit" and "shows the whole key" only turn true as tokens are added: found by bisection, a few
     # decodes per sample rather than one per prefix (this runs for every training sample).
     ids = tok.encode(f"{QUESTION}{key}.", bos=False)
-    prefixes = range(len(ids) + 1)                                             # QUESTION holds no digit
-    q = bisect.bisect_left(prefixes, True, key=lambda i: any(c.isdigit() for c in tok.decode(ids[:i]))) - 1
+    prefixes = range(len(ids) + 1)   # QUESTION holds no digit
+    q = bisect.bisect_left(prefixes, True,
+                           key=lambda i: any(c.isdigit() for c in tok.decode(ids[:i]))) - 1
     end = bisect.bisect_left(prefixes, True, key=lambda i: str(key) in tok.decode(ids[:i]))
     return ids[:q], ids[q:end]
 
 
 def passkey_sample(tok, rng, n_chunks, chunk_size, T=None, depth=None, key=None):
-    # X_C: filler with the needle at `depth` (0 = start, 1 = end of the context); X_D: the question + the key.
-    # Only the key's tokens are scored. The needle always lies wholly inside X_C.
+    # X_C: filler with the needle at `depth` (0 = start, 1 = end of the context); X_D: the question
+    # + the key. Only the key's tokens are scored. The needle always lies wholly inside X_C.
     p = passkey_ids(tok)
     key = rng.randint(10000, 99999) if key is None else key
     depth = rng.random() if depth is None else depth
     needle = tok.encode(NEEDLE.format(key=key), bos=False)
     L = n_chunks * chunk_size
     if L < len(needle) + 1:
-        raise ValueError(f"context of {L} tokens is too short for the passkey needle ({len(needle) + 1} tokens)")
+        raise ValueError(f"context of {L} tokens is too short for the passkey needle "
+                         f"({len(needle) + 1} tokens)")
     head = tok.encode("")                                     # BOS, where the tokenizer adds one
     hay = head + p["filler"] * (L // len(p["filler"]) + 1)
     at = len(head) + round(depth * (L - len(needle) - len(head)))
@@ -182,58 +202,69 @@ def passkey_sample(tok, rng, n_chunks, chunk_size, T=None, depth=None, key=None)
     xd = question + answer
     T = T or len(xd) - 1
     if T < len(xd) - 1:
-        raise ValueError(f"block_size T={T} is too short for the passkey question and answer ({len(xd) - 1} tokens)")
-    xd = xd + (p["filler"] * (T // len(p["filler"]) + 2))[: T + 1 - len(xd)]   # pad after the answer: not scored
+        raise ValueError(f"block_size T={T} is too short for the passkey question and answer "
+                         f"({len(xd) - 1} tokens)")
+    # pad after the answer: not scored
+    xd = xd + (p["filler"] * (T // len(p["filler"]) + 2))[: T + 1 - len(xd)]
     idx, targets = torch.tensor(xd[:-1]), torch.tensor(xd[1:])
-    targets[: len(question) - 1] = -100                                          # score only the answer tokens
+    targets[: len(question) - 1] = -100   # score only the answer tokens
     targets[len(question) - 1 + len(answer):] = -100
     return torch.tensor(ctx).view(n_chunks, chunk_size), idx, targets, len(question)
 
 
 def key_mentions(ctx, answer):
-    # where a haystack names its key: [start, end) of every run of the answer's token ids in ctx, a flat list of the
-    # context's tokens (the needle names the key twice; the answer's tokens are exactly the needle's: passkey_question)
+    # where a haystack names its key: [start, end) of every run of the answer's token ids in ctx, a
+    # flat list of the context's tokens (the needle names the key twice; the answer's tokens are
+    # exactly the needle's: passkey_question)
     k = len(answer)
     return [(i, i + k) for i in range(len(ctx) - k + 1) if ctx[i:i + k] == answer]
 
 
 def batch_mentions(ctx, tgt):
-    # key_mentions for every haystack of a batch: ctx (B, n, C), tgt (B, T) -> per haystack, [(start, end)]
-    return [key_mentions(row, t[t != -100].tolist()) for row, t in zip(ctx.flatten(1).tolist(), tgt)]
+    # key_mentions for every haystack of a batch: ctx (B, n, C), tgt (B, T) -> per haystack,
+    # [(start, end)]
+    return [key_mentions(row, t[t != -100].tolist())
+            for row, t in zip(ctx.flatten(1).tolist(), tgt)]
 
 
 def key_placements(nodes, ctx, tgt):
     # key_placement for every haystack of a batch; nodes: the batch's Memory.nodes (B*n lists)
     n, C = ctx.shape[1:]
-    return [key_placement(nodes[i * n:(i + 1) * n], m, C) for i, m in enumerate(batch_mentions(ctx, tgt))]
+    return [key_placement(nodes[i * n:(i + 1) * n], m, C)
+            for i, m in enumerate(batch_mentions(ctx, tgt))]
 
 
 def key_placement(nodes, mentions, C):
-    # Where the context tree left the key of one haystack: "leaf" if one node of the finest level holds a whole
-    # mention (its finest KVs), "coarse" if every token of every mention sits in a level-1 node (the coarsest kept,
-    # where the search did not go), else "between". nodes: the preserved tree.Nodes of each of the haystack's chunks;
-    # mentions: [start, end) in the flattened context (key_mentions).
+    # Where the context tree left the key of one haystack: "leaf" if one node of the finest level
+    # holds a whole mention (its finest KVs), "coarse" if every token of every mention sits in a
+    # level-1 node (the coarsest kept, where the search did not go), else "between". nodes: the
+    # preserved tree.Nodes of each of the haystack's chunks; mentions: [start, end) in the flattened
+    # context (key_mentions).
     if not mentions:
         raise ValueError("the haystack holds no mention of its key")
     height = max(nd.level for chunk in nodes for nd in chunk)
-    holder = lambda p: next(nd for nd in nodes[p // C] if nd.start <= p % C < nd.end)   # (chunk is p // C)
+    holder = lambda p: next(nd for nd in nodes[p // C]   # (chunk is p // C)
+                            if nd.start <= p % C < nd.end)
     if any(holder(a) is holder(b - 1) and (a // C == (b - 1) // C) and holder(a).level == height
            for a, b in mentions):
         return "leaf"
-    return "coarse" if all(holder(p).level == 1 for a, b in mentions for p in range(a, b)) else "between"
+    return ("coarse" if all(holder(p).level == 1 for a, b in mentions for p in range(a, b))
+            else "between")
 
 
 def collate(samples, tok):
-    # samples -> context (B, n, C), idx (B, T), targets (B, T), query_len (B,). Passkey samples made without a T are as
-    # long as their question and key, and a key can take more tokens in one sample than in another (GPT-2 BPE: 2 or 3):
-    # the shorter ones go on with filler after their answer, exactly as a longer T would have made them (not scored).
+    # samples -> context (B, n, C), idx (B, T), targets (B, T), question_len (B,). Passkey samples
+    # made without a T are as long as their question and key, and a key can take more tokens in one
+    # sample than in another (GPT-2 BPE: 2 or 3): the shorter ones go on with filler after their
+    # answer, exactly as a longer T would have made them (not scored).
     T = max(len(s[1]) for s in samples)
     filler = passkey_ids(tok)["filler"] * (T // len(passkey_ids(tok)["filler"]) + 1)
     out = []
     for ctx, idx, tgt, ql in samples:
         pad = T - len(idx)
         if pad:
-            idx = torch.cat([idx, torch.tensor([int(tgt[-1])] + filler[:pad - 1])])   # the answer's last token, filler
+            # the answer's last token, filler
+            idx = torch.cat([idx, torch.tensor([int(tgt[-1])] + filler[:pad - 1])])
             tgt = torch.cat([tgt, torch.full((pad,), -100)])
         out.append((ctx, idx, tgt, ql))
     ctx, idx, tgt, ql = zip(*out)
@@ -242,8 +273,9 @@ def collate(samples, tok):
 
 def get_batch(kind, B, rng, tok, splits, n_chunks, chunk_size, T, split="train"):
     # kind: "lm" | "passkey" | "needles" (the passkey or another needle: needle_sample) ->
-    # context (B, n, C), idx (B, T), targets (B, T), query_len (B,)
-    # (T None: passkey samples as long as their question and key, padded to the longest of the batch)
+    # context (B, n, C), idx (B, T), targets (B, T), question_len (B,)
+    # (T None: passkey samples as long as their question and key, padded to the longest of the
+    # batch)
     def sample():
         if kind == "lm":
             return lm_sample(splits[split], rng, n_chunks, chunk_size, T)
@@ -253,50 +285,63 @@ def get_batch(kind, B, rng, tok, splits, n_chunks, chunk_size, T, split="train")
     return collate([sample() for _ in range(B)], tok)
 
 
-def check_lengths(tok, splits, train_counts, eval_counts, task, chunk_size, block_size, pad_passkeys, data_dir,
-                  verbose=True, needles="passkey"):
-    # train.py's start-up check of every length the run will use against the data, not at iteration 2,500 or
-    # after training, where a crash would cost the run (errors name its flags). Training must fit; an evaluation
-    # length that no validation document can hold a language-modeling window for is evaluated on passkeys only, and
-    # said so. train_counts, eval_counts: sorted chunk counts. -> the chunk counts language modeling is evaluated at
-    if task != "lm":   # keys tokenize to different lengths (BPE): the longest of a fixed sample of 102 keys
-        keys = [10000, 99999] + [random.Random(k).randint(10000, 99999) for k in range(100)]
-        needle = max(len(tok.encode(NEEDLE.format(key=k), bos=False)) for k in keys) + 1
-        shortest = min(train_counts + eval_counts)
-        if shortest * chunk_size < needle:
-            raise SystemExit(f"--chunk_size={chunk_size} with --n_chunks / --chunk_schedule / --eval_chunks: "
-                             f"{shortest} chunk(s) hold {shortest * chunk_size} tokens; the passkey needle needs "
-                             f"{needle}")
-        xd = max(sum(map(len, passkey_question(tok, k))) for k in keys) - 1
-        if pad_passkeys and block_size < xd:   # (else a passkey batch is as long as it needs)
-            raise SystemExit(f"--block_size={block_size}: the passkey question and answer take up to {xd} tokens")
-        if needles == "mix":   # up to 4 facts in X_C; a question, answer prefix and value in X_D
-            facts, xd = needle_lengths(tok)
-            least = min(train_counts)
-            if least * chunk_size <= facts:
-                raise SystemExit(f"--needles=mix with --chunk_size={chunk_size} and --n_chunks / "
-                                 f"--chunk_schedule: {least} chunk(s) hold {least * chunk_size} "
-                                 f"tokens; 4 needles take up to {facts}")
-            if pad_passkeys and block_size < xd:
-                raise SystemExit(f"--block_size={block_size} with --needles=mix: a needle's "
-                                 f"question, answer prefix and value take up to {xd} tokens")
+def check_needle_lengths(tok, train_counts, eval_counts, chunk_size, block_size, pad_passkeys,
+                         needles):
+    # check_lengths' part for questions: the needles must fit X_C, the question and answer X_D
+    # keys tokenize to different lengths (BPE): the longest of a fixed sample of 102 keys
+    keys = [10000, 99999] + [random.Random(k).randint(10000, 99999) for k in range(100)]
+    needle = max(len(tok.encode(NEEDLE.format(key=k), bos=False)) for k in keys) + 1
+    shortest = min(train_counts + eval_counts)
+    if shortest * chunk_size < needle:
+        raise SystemExit(f"--chunk_size={chunk_size} with --n_chunks / --chunk_schedule / "
+                         f"--eval_chunks: {shortest} chunk(s) hold {shortest * chunk_size} "
+                         f"tokens; the passkey needle needs {needle}")
+    xd = max(sum(map(len, passkey_question(tok, k))) for k in keys) - 1
+    if pad_passkeys and block_size < xd:   # (else a passkey batch is as long as it needs)
+        raise SystemExit(f"--block_size={block_size}: the passkey question and answer take "
+                         f"up to {xd} tokens")
+    if needles == "mix":   # up to 4 facts in X_C; a question, answer prefix and value in X_D
+        facts, xd = needle_lengths(tok)
+        least = min(train_counts)
+        if least * chunk_size <= facts:
+            raise SystemExit(f"--needles=mix with --chunk_size={chunk_size} and --n_chunks / "
+                             f"--chunk_schedule: {least} chunk(s) hold {least * chunk_size} "
+                             f"tokens; 4 needles take up to {facts}")
+        if pad_passkeys and block_size < xd:
+            raise SystemExit(f"--block_size={block_size} with --needles=mix: a needle's "
+                             f"question, answer prefix and value take up to {xd} tokens")
+
+
+def check_lengths(tok, splits, train_counts, eval_counts, task, chunk_size, block_size,
+                  pad_passkeys, data_dir, verbose=True, needles="passkey"):
+    # train.py's start-up check of every length the run will use against the data, not at iteration
+    # 2,500 or after training, where a crash would cost the run (errors name its flags). Training
+    # must fit; an evaluation length that no validation document can hold a language-modeling window
+    # for is evaluated on passkeys only, and said so. train_counts, eval_counts: sorted chunk
+    # counts. -> the chunk counts language modeling is evaluated at
+    if task != "lm":
+        check_needle_lengths(tok, train_counts, eval_counts, chunk_size, block_size, pad_passkeys,
+                             needles)
     if task == "passkey":
         return []
     need = lambda n: n * chunk_size + block_size + 1
-    longest = {split: int(max(splits[split][1][1:] - splits[split][1][:-1])) for split in ("train", "val")}
+    longest = {split: int(max(splits[split][1][1:] - splits[split][1][:-1]))
+               for split in ("train", "val")}
     where = data_dir or "the standard library"
     if need(max(train_counts)) > longest["train"]:
-        raise SystemExit(f"--n_chunks / --chunk_schedule: {max(train_counts)} chunks x {chunk_size} + block_size "
-                         f"{block_size} + 1 = {need(max(train_counts)):,} tokens, and the longest training document "
+        raise SystemExit(f"--n_chunks / --chunk_schedule: {max(train_counts)} chunks x "
+                         f"{chunk_size} + block_size {block_size} + 1 = "
+                         f"{need(max(train_counts)):,} tokens, and the longest training document "
                          f"of {where} has {longest['train']:,}")
     fit = [n for n in eval_counts if need(n) <= longest["val"]]
-    why = (f"a window needs n x {chunk_size} + {block_size} + 1 tokens and the longest validation document of "
-           f"{where} has {longest['val']:,}")
+    why = (f"a window needs n x {chunk_size} + {block_size} + 1 tokens and the longest validation "
+           f"document of {where} has {longest['val']:,}")
     if task == "lm" and not fit:
-        raise SystemExit(f"--eval_chunks / --final_eval_chunks: no chunk count can be evaluated: {why}")
+        raise SystemExit(f"--eval_chunks / --final_eval_chunks: no chunk count can be evaluated: "
+                         f"{why}")
     if fit != eval_counts and verbose:
-        print(f"language modeling is not evaluated at {[n for n in eval_counts if n not in fit]} chunks"
-              f"{' (passkeys are)' if task == 'mixed' else ''}: {why}")
+        print(f"language modeling is not evaluated at {[n for n in eval_counts if n not in fit]} "
+              f"chunks{' (passkeys are)' if task == 'mixed' else ''}: {why}")
     return fit
 
 
@@ -389,7 +434,7 @@ def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
     # One haystack of a RULER task. X_C: the intro, then the haystack with the needles (the first
     # asked at `depth`, the others anywhere), n*C tokens; X_D: the question and the answer prefix.
     # -> context (n, C), idx (T,), the asked values (strings), their [start, end) in the flattened
-    # context (the first asked first), query_len = T (all of X_D is the question)
+    # context (the first asked first), question_len = T (all of X_D is the question)
     if task not in RULER_TASKS:
         raise ValueError(f"unknown RULER task {task!r}; expected one of {', '.join(RULER_TASKS)}")
     haystack, n_keys, n_values, n_asked = RULER_TASKS[task]
@@ -481,10 +526,11 @@ def needle_lengths(tok):
 
 
 def needle_sample(tok, rng, n_chunks, chunk_size, T=None):
-    # One training haystack of a random template: X_C the filler or the essay with the asked fact
-    # at a random depth (and up to 3 others); X_D the question, the answer prefix and the value,
+    # One training haystack of a random template: X_C the filler or the essay with the asked fact at
+    # a random depth (and up to 3 others); X_D the question, the answer prefix and the value,
     # tokenized as one text; only the value's tokens (from the space before it) are scored.
-    # -> context (n, C), idx, targets, query_len (= the question and prefix: what the search reads)
+    # -> context (n, C), idx, targets, question_len (= the question and prefix: what the search
+    # reads)
     fact, question, answer = rng.choice(NEEDLE_TEMPLATES)
     words = needle_words()
     keys, n_keys = [], rng.choice((1, 1, 2, 4))

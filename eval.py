@@ -59,8 +59,8 @@ batch_size = 8
 # ablations: inference-time SharedLLM settings (0 / "" = as trained); noise and M need their own training run
 height = 0                  # tree height h
 beta = 0.0                  # compression C / KVs kept per chunk
-policy = ""                 # "lexical" (every recipe's) | "query" (the paper's vector) | "right" (retrieval off)
-chunk_ids = ""              # "plain" | "off" ("random" is read like plain: at inference they are the same)
+policy = ""                 # "lexical" (every recipe's) | "vector" (the paper's vector) | "right" (retrieval off)
+chunk_pos = ""              # "plain" | "off" ("random" is read like plain: at inference they are the same)
 keep = ""                   # "last" | "first" token of each stride window
 compare = ""                # ablations: more rows from other checkpoints, "label=out_dir;label=out_dir" (noise off, M)
 n_lower = 0                 # M (LLaMA-2 folder only)
@@ -322,7 +322,7 @@ def run_passkey(model, tok, ns, C, g, dev, base=None):
 
 def ruler_haystacks(tok, task, n, C, depth, band, samples, seed):
     # the haystacks of one (task, chunk count, depth) cell, each at a depth uniform in depth +- band/2:
-    # (context (1, n, C), X_D (1, T), query_len (1,), the asked values, where X_C names each). The passkey's
+    # (context (1, n, C), X_D (1, T), question_len (1,), the asked values, where X_C names each). The passkey's
     # are passkey_accuracy's (one value, named twice: its mentions), RULER's data.ruler_sample's.
     rng = random.Random(f"{seed}-{n}-{depth}" if task == "passkey" else f"{seed}-{task}-{n}-{depth}")
     lo, hi = max(0.0, depth - band / 2), min(1.0, depth + band / 2)
@@ -412,9 +412,9 @@ def run_ruler(model, tok, ns, C, g, dev, base=None):
 @torch.no_grad()
 def run_search(model, tok, ns, C, g, dev):
     # --task=search: where each search leaves the asked values, no decoding: the checkpoint's own, the
-    # paper's vector ("query"), "right", and an oracle that walks to the first asked value's first token
+    # paper's vector ("vector"), "right", and an oracle that walks to the first asked value's first token
     ds, trained = [float(x) for x in g["depths"].split(",")], model.scfg
-    searches = list(dict.fromkeys([trained.policy, "query", "right", "oracle"]))
+    searches = list(dict.fromkeys([trained.policy, "vector", "right", "oracle"]))
     tasks, res = ["passkey"] + g["ruler_tasks"].split(","), []
     print(f"search: {g['samples']} haystacks per cell and depth {ds}; a leaf holds an asked value whole / only the "
           f"coarsest node holds it (C = {C}, height {trained.height}, beta {trained.beta:g})")
@@ -448,8 +448,8 @@ def run_search(model, tok, ns, C, g, dev):
 # Table 5 of the paper, as inference-time changes to one trained model (rows that need training say so)
 ABLATIONS = [("SharedLLM (as trained)", {}), ("height 2", {"height": 2}), ("height 4", {"height": 4}),
              ("beta 1", {"beta": 1}), ("beta 4", {"beta": 4}), ("beta 16", {"beta": 16}),
-             ("retrieval off (policy right)", {"policy": "right"}), ("chunk ids off", {"chunk_ids": "off"}),
-             ("the paper's search (policy query)", {"policy": "query"}), ("first of window", {"keep": "first"})]
+             ("retrieval off (policy right)", {"policy": "right"}), ("chunk ids off", {"chunk_pos": "off"}),
+             ("the paper's search (policy vector)", {"policy": "vector"}), ("first of window", {"keep": "first"})]
 
 
 def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
@@ -533,9 +533,9 @@ def main(g):
     if g["task"] in ("ruler", "search") and unknown:
         raise SystemExit(f"eval.py: --ruler_tasks={g['ruler_tasks']}: unknown task {unknown[0]!r}; expected some of "
                          f"{','.join(data.RULER_TASKS)}")
-    if g["chunk_ids"] not in ("", "plain", "random", "off"):
-        raise SystemExit(f"eval.py: --chunk_ids={g['chunk_ids']}: expected plain, random or off")
-    shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "n_lower", "chunk_size", "chunk_ids") if g[k]}
+    if g["chunk_pos"] not in ("", "plain", "random", "off"):
+        raise SystemExit(f"eval.py: --chunk_pos={g['chunk_pos']}: expected plain, random or off")
+    shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "n_lower", "chunk_size", "chunk_pos") if g[k]}
     torch.manual_seed(g["seed"])
     try:
         model, tok, train_cfg = load_sharedllm(package_path(g["init_from"]), dev, getattr(torch, dt), **shared)

@@ -5,7 +5,8 @@ One LLaMA checkpoint gives two models. The LOWER model (the bottom M layers) com
 context X_C, cut into chunks of C tokens: each chunk is a context tree (tree.py), and each preserved
 node keeps a few of its per-layer key/value states, coarse for big nodes, fine for small ones. The
 UPPER model (the whole LLaMA) reads the running text X_D and, in its bottom M layers, cross-attends
-to them with chunk-level position ids. SharedLLM.compress runs the paper's four steps in order.
+to them with chunk-level position ids. SharedLLM.compress runs the paper's steps: the tree's
+split-and-search (2) with the search policy inside it (1), encoding (3), chunk position ids (4).
 Beyond the paper, in every recipe: the search matches the question's words in the context
 (lexical_policy), and training draws random chunk ids (chunk_positions).
 """
@@ -95,7 +96,7 @@ def apply_rope(x, cos, sin):
 def attention(q, k, v, causal, backend=None, mask=None):
     # softmax(q k^T / sqrt(hd)) v (tests/test_llama.py writes it out). q: (B, Hq, Tq, hd); k, v:
     # (B, Hkv, Tk, hd), Hkv dividing Hq (grouped-query). causal with Tq < Tk: the queries are the
-    # LAST Tq positions. mask: (B, 1, Tq, Tk), True where a query may read a key (lower_kv).
+    # LAST Tq positions. mask: (B, 1, Tq, Tk), True where a query may read a key (lower_kv_kept).
     # backend: "flash" (flash-attn: CUDA, half precision) or "sdpa"; None: flash where it can.
     if backend is None:
         half = q.dtype in (torch.float16, torch.bfloat16)
@@ -165,7 +166,7 @@ class CrossAttention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x, k, v, q_rope):
-        # x: (B, T, dim); k, v: a lower layer's compressed context, (B, Hkv, n*S, hd) each;
+        # x: (B, T, dim); k, v: a lower layer's compressed context, (B, Hkv, all kept KVs, hd);
         # q_rope: the queries' rotation to their chunk id, or None. No mask: X_C precedes X_D.
         q = split_heads(self.wq(x), self.n_heads, self.head_dim)   # (B, Hq, T, hd)
         if q_rope is not None:
@@ -254,17 +255,17 @@ class SharedConfig:
     chunk_size: int = 1024  # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
     height: int = 3         # h: levels of the context tree below the root
     beta: float = 8.0       # the overall compression: C / (KVs kept per chunk)
-    policy: str = "lexical"   # pi, step 1: "lexical" (ours); "query" (the paper's), "right"
-    sigma: float = 0.0      # split noise in training, a fraction of l (Table 5: l/5 = 0.2; tree.py)
-    chunk_ids: str = "random"   # Eq. 2: "random" (ours), "plain" (paper), "off"; chunk_positions
+    policy: str = "lexical"   # pi, step 1: "lexical" (ours); "vector" (the paper's), "right"
+    sigma: float = 0.0      # split noise in training, a fraction of l (Table 6: l/5 = 0.2; tree.py)
+    chunk_pos: str = "random"   # Eq. 2: "random" (ours), "plain" (paper), "off"; chunk_positions
     max_chunk_id: int = 1024   # "random": the largest id drawn in training
-    lower: str = "shared"   # the upper's own bottom M layers, or a frozen "copy" (train=upper)
+    lower_weights: str = "shared"   # the upper's own bottom M layers, or a frozen "copy"
     keep: str = "last"      # which token of each stride window is kept: "last" (ours) or "first"
 
     def __post_init__(self):   # a bad setting fails here, once, not in the middle of a run
-        for name, allowed in [("policy", ("lexical", "query", "right")), ("keep", ("last",
-                              "first")), ("chunk_ids", ("random", "plain", "off")),
-                              ("lower", ("shared", "copy"))]:
+        for name, allowed in [("policy", ("lexical", "vector", "right")), ("keep", ("last",
+                              "first")), ("chunk_pos", ("random", "plain", "off")),
+                              ("lower_weights", ("shared", "copy"))]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SharedConfig.{name} = {getattr(self, name)!r}; "
                                  f"expected one of {allowed}")
@@ -289,7 +290,7 @@ class SharedConfig:
 @dataclass
 class Memory:
     # A compressed context: what the upper model's cross-attention reads.
-    kv: list        # per lower layer: (K, V), each (B, Hkv, n*S, hd); S = KVs kept per chunk
+    kv: list        # per lower layer: (K, V), each (B, Hkv, n * KVs kept per chunk, hd)
     q_rope: tuple   # the X_D queries' rotation (cos, sin), (B, 1, 1, hd) each; None: no chunk ids
     nodes: list = field(default_factory=list)   # per (batch item, chunk): its preserved tree.Nodes
 
@@ -302,7 +303,7 @@ class SharedLLM(nn.Module):
             raise ValueError(f"n_lower (M) = {m}; the model has {cfg.n_layers} layers")
         self.scfg, self.upper = scfg, llama
         self.lower = None   # "shared": the lower model is the upper's bottom M layers
-        if scfg.lower == "copy":   # a frozen copy: the embedding, the bottom M blocks, the norm
+        if scfg.lower_weights == "copy":   # a frozen copy: embedding, bottom M blocks, norm
             self.lower = copy.deepcopy(llama)
             self.lower.layers, self.lower.output = self.lower.layers[:m], None
             self.lower.requires_grad_(False)
@@ -331,26 +332,27 @@ class SharedLLM(nn.Module):
                 or (n.startswith("layers.") and int(n.split(".")[1]) < self.scfg.n_lower
                     and ".cross_" not in n)]
 
-    def forward(self, context, idx, targets=None, query_len=None):
+    def forward(self, context, idx, targets=None, question_len=None):
         # context: (B, n, C) or None; idx, targets: (B, T) -> logits (B, T, vocab), loss
         empty = context is None or context.shape[1] == 0
-        memory = None if empty else self.compress(context, idx, query_len)
+        memory = None if empty else self.compress(context, idx, question_len)
         return self.upper(idx, targets, memory=memory)
 
-    def compress(self, context, idx=None, query_len=None):
-        # Sec. 3.2-3.3 in four steps. context: (B, n, C) tokens of X_C; idx: (B, T) the running
-        # text X_D; query_len: (B,) the question's length at the start of X_D (None or 0: none)
+    def compress(self, context, idx=None, question_len=None):
+        # Sec. 3.2-3.3, one step a line below; step 1 (the policy) runs inside step 2. context:
+        # (B, n, C) tokens of X_C; idx: (B, T) the running text X_D; question_len: (B,) the
+        # question's length at the start of X_D (None or 0: no question)
         B, n, C = context.shape
         if C != self.scfg.chunk_size:
             raise ValueError(f"context chunks have {C} tokens; this model's chunk_size C is "
                              f"{self.scfg.chunk_size}")
         rows = context.reshape(B * n, C)                  # one context tree per (batch item, chunk)
-        if query_len is not None:                         # on the host: the policies read it there
-            query_len = torch.as_tensor(query_len).cpu()
+        if question_len is not None:   # on the host: the policies choose from it there
+            question_len = torch.as_tensor(question_len).cpu()
         frozen = not any(p.requires_grad for p in self.lower_parameters())
         with torch.no_grad() if frozen else nullcontext():   # a frozen compressor: no graph
             # 1. the query-aware policy pi, which tree.search calls at each level
-            select = self.search_policy(rows, idx, query_len)
+            select = self.search_policy(rows, idx, question_len)
             # 2. split-and-search (Eq. 1, Algorithm 1): the preserved nodes, KVs kept by each
             sigma = self.scfg.sigma if self.training else 0.0
             nodes = tree.search(B * n, C, self.scfg.height, self.scfg.beta, select, sigma)
@@ -359,24 +361,25 @@ class SharedLLM(nn.Module):
             # 4. chunk-level position ids (Eq. 2), for the upper model's CrossAttention
             return self.chunk_level_kv(kv, nodes, B, n)
 
-    def search_policy(self, rows, idx, query_len):
+    def search_policy(self, rows, idx, question_len):
         # Step 1 (Sec. 3.2) -> select(lefts, rights) for tree.search, or None: the right child
         # everywhere (the paper's language modeling, and any batch with no question)
-        if self.scfg.policy == "right" or query_len is None or not bool((query_len > 0).any()):
+        asked = question_len is not None and bool((question_len > 0).any())
+        if self.scfg.policy == "right" or not asked:
             return None
         if self.scfg.policy == "lexical":   # ours, every recipe's
-            return lexical_policy(rows, idx, query_len)
-        return self.query_policy(rows, idx, query_len)
+            return lexical_policy(rows, idx, question_len)
+        return self.vector_policy(rows, idx, question_len)
 
-    def query_policy(self, rows, idx, query_len):
-        # Step 1 as the paper writes it (an ablation here): select the child whose hidden vector
-        # (lower model) is closer in cosine to the question's (upper model). A tree of a sample
-        # with no question selects the right child.
+    def vector_policy(self, rows, idx, question_len):
+        # Step 1 as the paper states it (an ablation here): select the child whose hidden vector
+        # (lower model) is closer in cosine to the question's (upper model); its h: hidden_vectors.
+        # A tree of a sample with no question selects the right child.
         low, n = self.lower_model(), rows.shape[0] // idx.shape[0]
-        no_question = (query_len == 0).repeat_interleave(n).tolist()
+        no_question = (question_len == 0).repeat_interleave(n).tolist()
         with torch.no_grad():   # a discrete choice: no gradient flows through it
-            ends = query_len.clamp(min=1).to(idx.device)            # the question: idx[b, :end]
-            q = hidden_vectors(self.upper, idx, ends).repeat_interleave(n, dim=0)   # (B*n, dim)
+            ends = question_len.clamp(min=1).to(idx.device)         # the question: idx[b, :end]
+            asked = hidden_vectors(self.upper, idx, ends).repeat_interleave(n, dim=0)  # (B*n, dim)
 
         def select(lefts, rights):   # each tree's two children, (start, end) each
             with torch.no_grad():
@@ -384,54 +387,62 @@ class SharedLLM(nn.Module):
                 tokens = gather_spans(rows, [*range(len(lefts))] * 2, spans)        # (2R, L)
                 lengths = to_device([e - s for s, e in spans], rows.device)
                 h = hidden_vectors(low, tokens, lengths).view(2, len(lefts), -1)   # (2, R, dim)
-            closer = F.cosine_similarity(q, h[1], dim=-1) > F.cosine_similarity(q, h[0], dim=-1)
+            closer = (F.cosine_similarity(asked, h[1], dim=-1)
+                      > F.cosine_similarity(asked, h[0], dim=-1))
             return [r or nq for r, nq in zip(closer.tolist(), no_question)]
         return select
 
     def encode_nodes(self, rows, nodes):
         # Step 3 (Sec. 3.2): each preserved node, as a sequence of its own, through the lower
-        # model's M layers; each layer's K (rotated) and V kept at tree.kept_positions. rows:
-        # (B*n, C); nodes: per row, its preserved Nodes -> per layer (K, V), each (all kept KVs,
-        # Hkv, hd), each row's in text order. tests/test_sharedllm.py's oracle does one node at a
-        # time; here a level's nodes (one KV count; one length but for split noise) go together.
-        low, cfg = self.lower_model(), self.scfg
-        calls = [([], []) for _ in range(cfg.n_lower)]   # per layer: each call's kept K and V
-        start_of = {}   # (row, node start) -> where its kept KVs start in the calls, concatenated
-        n_done = 0
-        for level in range(1, cfg.height + 1):
+        # model's M layers; each layer's K (rotated) and V kept at tree.kept_positions (lower_kv,
+        # run as lower_kv_kept).
+        # rows: (B*n, C); nodes: per row, its preserved Nodes -> per layer (K, V), each
+        # (B*n*kv_per_chunk, Hkv, hd), row by row. A level's nodes have one KV count and one
+        # length (but for split noise): they go through together, ENCODE_TOKENS tokens a call.
+        low, n_lower = self.lower_model(), self.scfg.n_lower
+        kept = [([], []) for _ in range(n_lower)]   # per layer: each call's kept K and V
+        first_kv = {}   # (row, node start) -> its first KV's index in the calls, concatenated
+        n_encoded = 0
+        for level in range(1, self.scfg.height + 1):
             at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
             per_call = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
-            for group in (at_level[i:i + per_call] for i in range(0, len(at_level), per_call)):
+            for i in range(0, len(at_level), per_call):
+                group = at_level[i:i + per_call]
                 tokens = gather_spans(rows, [r for r, _ in group],
                                       [(nd.start, nd.end) for _, nd in group])     # (R, L)
-                kept_at = to_device([tree.kept_positions(len(nd), nd.n_kept, cfg.keep)
+                kept_at = to_device([tree.kept_positions(len(nd), nd.n_kept, self.scfg.keep)
                                      for _, nd in group], rows.device)            # (R, n_kept)
-                for j, kv in enumerate(lower_kv(low, tokens, cfg.n_lower, kept_at)):
-                    for out, t in zip(calls[j], kv):                   # (R, Hkv, n_kept, hd)
+                for j, kv in enumerate(lower_kv_kept(low, tokens, n_lower, kept_at)):
+                    for out, t in zip(kept[j], kv):                    # (R, Hkv, n_kept, hd)
                         out.append(t.transpose(1, 2).flatten(0, 1))
-                for i, (r, nd) in enumerate(group):
-                    start_of[r, nd.start] = n_done + i * kept_at.shape[1]
-                n_done += kept_at.numel()
-        # the calls come level by level: each row's KVs back together (step 4's view), in text
-        # order (cross-attention reads them in any order; sample.py's picture reads text order)
-        order = to_device([start_of[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
+                for r, nd in group:
+                    first_kv[r, nd.start], n_encoded = n_encoded, n_encoded + nd.n_kept
+        # Each row's KVs in text order, as memory.nodes lists them: cross-attention reads them in
+        # any order, but sample.py's attention picture maps each KV to its node.
+        order = to_device([first_kv[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
                            for t in range(nd.n_kept)], rows.device)
-        return [(torch.cat(ks)[order], torch.cat(vs)[order]) for ks, vs in calls]
+        return [(torch.cat(ks)[order], torch.cat(vs)[order]) for ks, vs in kept]
 
     def chunk_level_kv(self, kv, nodes, B, n):
-        # Step 4 (Eq. 2): each chunk's kept K/V side by side, rotated to its chunk id, every X_D
-        # query to the queries' id (chunk_positions: the paper's i and n, or random ids in
-        # training). The rotation each key has inside its node (p) stays (ours): a query-key angle
-        # depends on n - i - p. kv: per layer (K, V), each (B*n*S, Hkv, hd), rows in order
-        S = sum(nd.n_kept for nd in nodes[0])                # KVs kept per chunk, the same for all
+        # Step 4 (Eq. 2): each chunk's kept K/V side by side, the keys rotated to their chunk id i,
+        # every X_D query to the queries' id n (chunk_positions: the paper's i and n, or random
+        # ids in training). Ours: a key keeps the rotation by its position p inside its node
+        # (lower_kv), and rotating by p then by i is rotating by i + p. So a key sits at i + p: one
+        # chunk step looks like one token step, and chunk i's key at p + 1 like chunk i + 1's at
+        # p (at 8 chunks, 12 of the default tree's 52 positions i + p are two chunks'). Read with
+        # keys at i alone, the default checkpoint finds the same passkeys at 4-256 chunks and reads
+        # text 0.1-0.2% worse (docs/experiments.md).
+        # kv: per layer (K, V), each (B*n*kv_per_chunk, Hkv, hd), row by row
+        kv_per_chunk = sum(nd.n_kept for nd in nodes[0])     # the same for every chunk
         k_pos, q_pos = chunk_positions(self.scfg, B, n, kv[0][0].device, self.training)
         k_rope = q_rope = None
         if k_pos is not None:
-            k_rope = [t[:, None] for t in self.upper.rope(k_pos.repeat_interleave(S, dim=1))]
+            per_key = k_pos.repeat_interleave(kv_per_chunk, dim=1)          # (B, n*kv_per_chunk)
+            k_rope = [t[:, None] for t in self.upper.rope(per_key)]         # (B, 1, ., hd)
             q_rope = tuple(t[:, None, None] for t in self.upper.rope(q_pos))   # (B, 1, 1, hd)
         out = []
         for K, V in kv:
-            K, V = (t.view(B, n * S, *t.shape[1:]).transpose(1, 2) for t in (K, V))  # B,Hkv,nS,hd
+            K, V = (t.view(B, -1, *t.shape[1:]).transpose(1, 2) for t in (K, V))   # (B, Hkv, ., hd)
             out.append((K if k_rope is None else apply_rope(K, *k_rope), V))
         return Memory(out, q_rope, nodes)
 
@@ -441,9 +452,9 @@ def chunk_positions(scfg, B, n, device, training):
     # "plain" (the paper): the keys of chunk i at i, the X_D queries at n. "random" (ours; plain
     # at inference): in training, n sorted distinct ids below a span log-uniform in n..max_chunk_id,
     # the queries one past the last: every scale of distance is seen (Ruoss et al., 2023).
-    if scfg.chunk_ids == "off":
+    if scfg.chunk_pos == "off":
         return None, None
-    if scfg.chunk_ids == "random" and training:
+    if scfg.chunk_pos == "random" and training:
         if n > scfg.max_chunk_id:
             raise ValueError(f"{n} chunks need chunk ids up to {n}; "
                              f"max_chunk_id is {scfg.max_chunk_id}")
@@ -458,32 +469,46 @@ def chunk_positions(scfg, B, n, device, training):
 
 
 def lower_kv(llama, tokens, n_layers, kept_at):
-    # The lower model's bottom n_layers blocks over R nodes (R, L) at positions 0..L-1 -> per layer
-    # its K (rotated) and V at kept_at (R, n_kept): (R, Hkv, n_kept, hd) each. Ours, for speed
-    # (tested equal): only kept K/V leave the last block, so the one below runs at kept tokens.
-    L = tokens.shape[1]
-    cos, sin = llama.rope(torch.arange(L, device=tokens.device))
-    rope_kept = cos[kept_at][:, None], sin[kept_at][:, None]             # (R, 1, n_kept, hd)
+    # Step 3 for R nodes (R, L), each a sequence of its own at positions 0..L-1, through the lower
+    # model's bottom n_layers blocks (Block.forward) -> per layer, the K (rotated) and V its
+    # self-attention reads, at kept_at (R, n_kept): (R, Hkv, n_kept, hd) each, one gather.
+    # What runs is lower_kv_kept, the same with less work.
+    rope = llama.rope(torch.arange(tokens.shape[1], device=tokens.device))
     at = kept_at[:, None, :, None]                                       # (R, 1, n_kept, 1)
-    take = lambda t: t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3]))   # (R,Hkv,L,hd) -> kept
+    x, out = llama.tok_embeddings(tokens), []                            # (R, L, dim)
+    for i, block in enumerate(llama.layers[:n_layers]):
+        k, v = block.attention.kv(block.attention_norm(x), *rope)        # (R, Hkv, L, hd) each
+        out.append(tuple(t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3])) for t in (k, v)))
+        if i < n_layers - 1:   # nothing reads the top block's output
+            x = block(x, rope)
+    return out
+
+
+def lower_kv_kept(llama, tokens, n_layers, kept_at):
+    # lower_kv, with less work (ours, for speed; tests/test_sharedllm.py tests them equal). Only
+    # the kept K/V leave the top block, so it projects them at the kept tokens alone, and the
+    # block below it runs its queries and its FFN at those tokens only. The tiny default's run
+    # takes 5 min 6 s with it and 7 min 49 s with lower_kv (docs/experiments.md).
+    L = tokens.shape[1]
+    rope = llama.rope(torch.arange(L, device=tokens.device))
+    rope_kept = tuple(t[kept_at][:, None] for t in rope)                 # (R, 1, n_kept, hd)
+    at = kept_at[:, None, :, None]                                       # (R, 1, n_kept, 1)
+    take = lambda t: t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3]))   # (R,Hkv,L,hd)->kept
     at_kept = lambda t: t.gather(1, kept_at[:, :, None].expand(-1, -1, t.shape[2]))  # (R,L,d)->kept
     x, out = llama.tok_embeddings(tokens), []
-    for i, block in enumerate(llama.layers[:n_layers]):
-        att = block.attention
-        if i == n_layers - 1:   # the last block: only the kept tokens' K, V
-            xk = at_kept(x) if n_layers == 1 else x   # x is at the kept tokens, unless M = 1
-            out.append(att.kv(block.attention_norm(xk), *rope_kept))
-            break
-        h = block.attention_norm(x)   # the block's forward, written out to keep its K and V
-        k, v = att.kv(h, cos, sin)                                               # (R, Hkv, L, hd)
-        if i == n_layers - 2:   # the next block reads this one at the kept tokens only
-            q = att.query(at_kept(h), rope_kept)                           # (R, Hq, n_kept, hd)
-            sees = kept_at[:, None, :, None] >= torch.arange(L, device=x.device)   # R,1,n_kept,L
-            x = at_kept(x) + att.wo(merge_heads(attention(q, k, v, causal=False, mask=sees)))
-        else:
-            x = x + att.wo(merge_heads(attention(att.query(h, (cos, sin)), k, v, causal=True)))
-        x = x + block.feed_forward(block.ffn_norm(x))
+    for i, block in enumerate(llama.layers[:n_layers - 1]):   # every block but the top one
+        att, h = block.attention, block.attention_norm(x)   # Block.forward, written out: its K, V
+        k, v = att.kv(h, *rope)                                          # (R, Hkv, L, hd) each
         out.append((take(k), take(v)))
+        if i < n_layers - 2:
+            x = x + att.wo(merge_heads(attention(att.query(h, rope), k, v, causal=True)))
+        else:   # the block below the top: its output is read at the kept tokens only
+            q = att.query(at_kept(h), rope_kept)                         # (R, Hq, n_kept, hd)
+            sees = at >= torch.arange(L, device=x.device)                 # (R, 1, n_kept, L)
+            x = at_kept(x) + att.wo(merge_heads(attention(q, k, v, causal=False, mask=sees)))
+        x = x + block.feed_forward(block.ffn_norm(x))
+    top = llama.layers[n_layers - 1]   # (with M = 1, x is still every token's)
+    out.append(top.attention.kv(top.attention_norm(x if n_layers > 1 else at_kept(x)), *rope_kept))
     return out
 
 
@@ -515,8 +540,8 @@ def gather_spans(rows, row_ids, spans):
 NGRAM_MAX = 8   # the longest run of tokens matched against the question
 
 
-def lexical_policy(rows, idx, query_len):
-    # Step 1. The paper selects the child more similar to the question (query_policy, a cosine).
+def lexical_policy(rows, idx, question_len):
+    # Step 1. The paper selects the child more similar to the question (vector_policy, a cosine).
     # Ours, every recipe's: the similarity is lexical (the paper's Limitations name BM25), no
     # weights. Each context token scores the runs of up to NGRAM_MAX tokens ending at it that the
     # question holds, each log(N / its count in X_C): filler repeats, a needle's words do not; a
@@ -524,7 +549,8 @@ def lexical_policy(rows, idx, query_len):
     # position p's evidence is the score of the |Q|/4 tokens before it, and each tree selects
     # toward its chunk's first position of most evidence (none: right). rows: (B*n, C); idx: (B, T)
     (R, C), (B, T), dev = rows.shape, idx.shape, rows.device
-    N, seq, q_len = R // B * C, rows.reshape(B, R // B * C), query_len.to(dev)   # seq: X_C in order
+    N, q_len = R // B * C, question_len.to(dev)
+    seq = rows.reshape(B, N)                               # X_C in order, per sample
     at_q, at_seq = torch.arange(T, device=dev)[None], torch.arange(N, device=dev)[None]
     past_q = at_q >= q_len[:, None]                        # (B, T): X_D after the question
     sample = torch.arange(1, B + 1, device=dev)[:, None]   # a run's hash starts from its sample

@@ -49,7 +49,7 @@ n_lower = 0                 # M (LLaMA-2 folder only: a checkpoint's M is fixed 
 chunk_size = 0              # C (LLaMA-2 folder only: a checkpoint's C is fixed by its training)
 height = 0                  # tree height h
 beta = 0.0                  # compression C / KVs per chunk
-policy = ""                 # "lexical" (every recipe's) | "query" (the paper's vector) | "right" (retrieval off)
+policy = ""                 # "lexical" (every recipe's) | "vector" (the paper's vector) | "right" (retrieval off)
 device = "auto"             # "auto" = cuda, else cpu ("mps" only when named)
 dtype = "auto"              # "auto" = bfloat16 on CUDA where supported, else float32
 seed = 1337

@@ -23,7 +23,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 import data
-import model as M
+from model import SharedConfig
 from checkpoint import (restore_training, rng_states, save_checkpoint, set_trainable,
                         sharedllm_to_train)
 from configurator import (auto_device, check_ranges, config_of, memory_estimate, package_path,
@@ -31,7 +31,8 @@ from configurator import (auto_device, check_ranges, config_of, memory_estimate,
                           scheduled, step_flops)
 
 # -----------------------------------------------------------------------------
-# config: every name below can be overridden with --name=value (or by a config/*.py file)
+# config: every name below can be overridden with --name=value (or by a config/*.py file).
+# "paper:" a value the paper fixes (its Sec. 4 and Table 6); "ours:" a choice beyond it, and why.
 out_dir = "out"
 init_from = "scratch"   # "scratch" | "resume" (from out_dir) | a LLaMA folder (HF layout) | a .gguf
 eval_interval = 500     # evaluate and checkpoint every this many iterations
@@ -45,42 +46,49 @@ data_dir = ""           # .txt folder, glob, "stdlib" (= ""), "pydoc", or severa
 tokenizer = "byte"      # "byte" | "gpt2" | a tokenizer file (a LLaMA folder brings its own)
 n_chunks = 8            # n: context chunks per training sample at the end (X_C = n x C tokens)
 block_size = 64         # T: running-text tokens (X_D)
-# model: the preset for scratch; SharedLLM's settings always (model.SharedConfig says the paper's)
+# model: the preset for scratch; SharedLLM's settings always (model.SharedConfig)
 preset = "tiny"         # load_llama.PRESETS key, for init_from=scratch
-n_lower = 3             # M: lower-model layers = cross-attention layers
-chunk_size = 128        # C
-height = 3              # tree height h
-beta = 8.0              # compression: C / KVs kept per chunk (need not be whole)
-sigma = 0.0             # split noise in training, sigma / l (Table 5: l/5 = 0.2); 0 = off
-train = "all"           # what trains: "all" | "cross" | "cross+top" | "upper" (set_trainable)
-# the recipe: curricula, the batch mix, the moving average of the weights
-chunk_schedule = "1:700,2:1200,4:2000"  # chunks: 1 until iter 700, 2 until 1200, ..., then n
-beta_schedule = "1:300,2:450,4:600"     # beta: 1 until iter 300, 2 until 450, ..., then beta
-lm_from = 1500          # "mixed": text batches join here (from the start, they stall the passkey)
-passkey_frac = 0.67     # "mixed": the share of passkey batches (each batch is one kind)
-pad_passkeys = True     # pad passkey batches to block_size (False: as long as question + answer)
+n_lower = 3             # M: lower-model layers = cross-attention layers (paper: 4 LM, 16 SFT)
+chunk_size = 128        # C (paper: 1024 LM, 512 SFT)
+height = 3              # tree height h (paper: 3)
+beta = 8.0              # compression: C / KVs kept per chunk (paper: 8); need not be whole
+sigma = 0.0             # split noise, a fraction of a node's length l (paper: l/5 LM, l/10 SFT);
+                        # ours: 0, the paper's "w/o noise" ablation, as the tiny model trains
+train = "all"           # what trains: "all" | "cross" | "cross+top" | "upper" (set_trainable);
+                        # ours: "all" from scratch (the paper trains cross-attention, + top for LM)
+policy = "lexical"      # step 1's search, ours in every recipe (model.lexical_policy); ablations:
+                        # "vector" (the paper's), "right"
+chunk_pos = "random"    # step 4's chunk position ids: "random" in training (ours, every recipe's:
+                        # every distance seen) | "plain" (the paper's) | "off"
+# the recipe, ours: curricula, the batch mix, the moving average of the weights
+chunk_schedule = "1:700,2:1200,4:2000"  # chunks: 1 until iter 700, 2 until 1200, ..., then n;
+                                        # ours: retrieval is found on short contexts first
+beta_schedule = "1:300,2:450,4:600"     # beta: 1 until iter 300, 2 until 450, ..., then beta;
+                                        # ours: the key is found before it is compressed
+lm_from = 1500          # "mixed": text batches join here (ours: earlier, they stall the passkey)
+passkey_frac = 0.67     # "mixed": the share of passkey batches, each batch one kind (ours)
+pad_passkeys = True     # pad passkey batches to block_size, as text (ours; False: question+answer)
 needles = "passkey"     # "passkey" | "mix": the passkey or, 2 in 3 samples, a fact of another
                         # template asked in other words (ours, for the retrieval recipes: data.py)
-context_dropout = 0.25  # share of text batches without X_C: the upper model also works alone
-ema_decay = 0.998       # evaluate and save a moving average of the weights; 0 = off
-# optimizer: AdamW (beta1 0.9, no weight decay), gradients clipped at norm 1, cosine learning rate
+context_dropout = 0.25  # share of text batches without X_C (ours: the upper model also works
+                        # alone, and the ratio with and without the context is a fair one)
+ema_decay = 0.998       # evaluate and save a moving average of the weights; 0 = off (ours)
+# optimizer: AdamW (paper: beta1 0.9), no weight decay, gradients clipped at norm 1, cosine lr
 batch_size = 16
 max_iters = 2600
-learning_rate = 3e-3
+learning_rate = 3e-3    # ours: a small model from scratch
 min_lr = 3e-4           # the cosine schedule's floor
-warmup_iters = 50
-beta2 = 0.99
+warmup_iters = 50       # paper: 1% of the run (LM), 0.1% (SFT)
+beta2 = 0.99            # ours: a short run (paper: 0.999)
 # system
 device = "auto"         # "auto" = cuda, else cpu ("mps" only when named)
 dtype = "auto"          # "auto" = bfloat16 autocast on CUDA where supported, else float32
 seed = 1337
-# --- a first reading can skip the rest: every recipe's defaults; other values: ablations, scale-up
-# and control ---
+# --- a first reading can skip the rest: control and scale-up ---
 final_eval_iters = 0    # eval_iters for the last eval; 0 = eval_iters (128 haystacks: +-2 points)
-policy = "lexical"        # the search, every recipe's; ablations: "query" (the paper's), "right"
-chunk_ids = "random"    # chunk position ids: "random" (every recipe's) | "plain" (paper's) | "off"
-keep = "last"           # "last" | "first" token of each stride window
-max_chunk_id = 1024     # "random": ids drawn up to this in training (the longest context, chunks)
+keep = "last"           # "last" | "first" token of each stride window (model.SharedConfig)
+max_chunk_id = 1024     # chunk_pos "random": the largest id drawn in training (4x the default's
+                        # longest evaluation, 256 chunks)
 gradient_accumulation_steps = 1
 activation_checkpointing = False
 compile = False         # torch.compile the model (not on CPU)
@@ -109,59 +117,16 @@ def main():
         print(f"device {dev}, dtype {dt}{' (autocast)' if dt != 'float32' else ''}, "
               f"{world} process(es)")
         os.makedirs(out_dir, exist_ok=True)
-
     # the model: SharedLLM's two models from one LLaMA (new, pretrained, or this run's to resume)
     tok, raw, ckpt, base, model_args = sharedllm_to_train(
         package_path(init_from), shared_config(), getattr(torch, dt), out_dir, preset, tokenizer,
         light_ckpt, activation_checkpointing)
-    set_trainable(raw, train)   # what trains, held in fp32 (master weights); the rest as loaded
-    if master:
-        n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)
-        n_frozen = sum(p.numel() for p in raw.parameters() if not p.requires_grad)
-        print(f"model: {raw.upper.cfg}\nshared: {raw.scfg}\ntrainable {n_train:,} / frozen "
-              f"{n_frozen:,} parameters (train={train!r})")
-        if init_from not in ("scratch", "resume") or base:   # pretrained: before the device has it
-            memory_estimate(raw, dt, dev, batch_size, block_size, n_chunks, ema_decay,
-                            activation_checkpointing)
-    raw.to(dev)
-    params = [p for p in raw.parameters() if p.requires_grad]
-    model = torch.compile(raw) if compile and dev_type != "cpu" else raw   # what the step calls
-    if ddp:   # a batch without X_C (context_dropout) leaves cross-attention unused on a rank
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[int(os.environ["LOCAL_RANK"])] if dev_type == "cuda" else None,
-            find_unused_parameters=context_dropout > 0 and task != "passkey")
-
+    model, params = place_model(raw, ddp, dev, dev_type, dt, master, base)
     # data and schedules, every length checked against the data now, not at iteration 2,500
-    chunk_pairs = parse_schedule("chunk_schedule", chunk_schedule)
-    beta_pairs = parse_schedule("beta_schedule", beta_schedule,   # each beta a SharedConfig too
-                                lambda v: M.SharedConfig(**{**shared_config(), "beta": v}), float)
-    eval_counts = {name: parse_counts(name, spec) for name, spec in (
-        ("eval_chunks", eval_chunks), ("final_eval_chunks", final_eval_chunks or eval_chunks))}
-    splits = load_corpus(tok, ddp, master)
-    train_counts = sorted({n for n, _ in chunk_pairs} | {n_chunks})
-    lm_eval_counts = data.check_lengths(
-        tok, splits, train_counts, sorted(set(sum(eval_counts.values(), []))), task, chunk_size,
-        block_size, pad_passkeys, data_dir, master, needles)
-    if chunk_ids == "random" and max(train_counts) > max_chunk_id:
-        raise SystemExit(f"--max_chunk_id={max_chunk_id}: random chunk ids for "
-                         f"{max(train_counts)} chunks need at least {max(train_counts)}")
-
-    # the optimizer (a loss scaler for float16 only: small gradients must not underflow), its state
-    # when resuming, the moving average of what trains (fp32; None when off), the run's log
-    optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(0.9, beta2), weight_decay=0.0)
-    scaler = torch.amp.GradScaler("cuda", enabled=dt == "float16")
-    iter_num = 0
-    if ckpt is not None:
-        iter_num = restore_training(ckpt, optimizer, scaler, rng, rank, dev_type, seed)
-    if master and iter_num >= max_iters:
-        print(f"nothing to train: {out_dir}/ckpt.pt is at iteration {iter_num} and --max_iters is "
-              f"{max_iters}")
-    ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
-    names = [[n for n, q in raw.named_parameters(remove_duplicate=False) if q is p] for p in params]
-    if ckpt is not None and "raw" in ckpt:   # the model was built from the average: raw ones train
-        with torch.no_grad():
-            for p, ns in zip(params, names):
-                p.copy_(ckpt["raw"][ns[0]])
+    chunk_pairs, beta_pairs, eval_counts, splits, lm_eval_counts = load_data(tok, ddp, master)
+    # the optimizer, its state when resuming, the moving average of what trains, the run's log
+    optimizer, scaler, iter_num, ema, names = make_optimizer(raw, params, ckpt, rng, rank,
+                                                             dev_type, dt)
     log_path = start_log(ckpt, iter_num, master)
     # a non-finite loss stops the run, read back only at log lines and checkpoints (a host sync
     # per step stalls a GPU); the weights it corrupted are never saved
@@ -187,18 +152,8 @@ def main():
                                 config=config, tokenizer=tok.spec, rngs=rngs)
             counts = eval_counts["final_eval_chunks" if last else "eval_chunks"]
             iters = (final_eval_iters or eval_iters) if last else eval_iters
-            try:
-                with averaged(params, ema):
-                    res = evaluate(raw, tok, splits, counts, lm_eval_counts, iters, iter_num, dev,
-                                   autocast)
-            except Exception:
-                print(f"evaluation at iteration {iter_num} failed; the weights are saved in "
-                      f"{os.path.join(out_dir, 'ckpt.pt')} (evaluate them again: "
-                      "--init_from=resume --eval_only=True)", flush=True)
-                raise
-            print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()),
-                  flush=True)
-            log(log_path, iter=iter_num, eval=res)
+            evaluate_and_log(raw, params, ema, tok, splits, counts, lm_eval_counts, iters,
+                             iter_num, dev, autocast, log_path)
             last_line = time.time()   # eval time is not training time
         if last or eval_only:
             break
@@ -207,7 +162,7 @@ def main():
             g["lr"] = lr
         # SharedLLM: this step's context length (chunks) and compression (beta), from the curricula
         n = scheduled(chunk_pairs, iter_num, n_chunks)
-        raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # inference-time: no new weights
+        raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # beta: no weight depends on it
         for micro in range(gradient_accumulation_steps):
             # SharedLLM: a batch is X_C (n chunks), X_D with its targets, and the question's length
             kind, (ctx, idx, tgt, ql) = next_batch(rng, iter_num, tok, splits, n, dev)
@@ -219,15 +174,7 @@ def main():
             loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
             loss_n[kind] = loss_n.get(kind, 0) + 1
             scaler.scale(loss / gradient_accumulation_steps).backward()
-        scaler.unscale_(optimizer)   # the true gradients (a no-op without float16), clipped at
-        torch.nn.utils.clip_grad_norm_(params, 1.0)   # norm 1.0 (a constant: no recipe changes it)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        if ema is not None:   # the moving average moves toward the new weights
-            with torch.no_grad():
-                for e, p in zip(ema, params):
-                    e.lerp_(p, 1 - ema_decay)
+        update_weights(optimizer, scaler, params, ema)
         iter_num += 1
         # the next batch (iteration lm_from) is the first that can be text: the average starts
         # again, as passkey-only weights in it read text worse (docs/experiments.md); 0: never
@@ -247,6 +194,99 @@ def main():
 
 # -----------------------------------------------------------------------------
 # the pieces main() calls
+
+
+def place_model(raw, ddp, dev, dev_type, dt, master, base):
+    # what trains (fp32 master weights; the rest as loaded), on the device -> the module the step
+    # calls (compiled, DDP-wrapped or raw itself), the trained parameters
+    set_trainable(raw, train)
+    if master:
+        n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)
+        n_frozen = sum(p.numel() for p in raw.parameters() if not p.requires_grad)
+        print(f"model: {raw.upper.cfg}\nshared: {raw.scfg}\ntrainable {n_train:,} / frozen "
+              f"{n_frozen:,} parameters (train={train!r})")
+        if init_from not in ("scratch", "resume") or base:   # pretrained: before the device has it
+            memory_estimate(raw, dt, dev, batch_size, block_size, n_chunks, ema_decay,
+                            activation_checkpointing)
+    raw.to(dev)
+    params = [p for p in raw.parameters() if p.requires_grad]
+    model = torch.compile(raw) if compile and dev_type != "cpu" else raw
+    if ddp:   # a batch without X_C (context_dropout) leaves cross-attention unused on a rank
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[int(os.environ["LOCAL_RANK"])] if dev_type == "cuda" else None,
+            find_unused_parameters=context_dropout > 0 and task != "passkey")
+    return model, params
+
+
+def load_data(tok, ddp, master):
+    # the schedules, the corpus, and every length checked against them -> chunk and beta
+    # schedules, eval chunk counts, the corpus splits, the counts text can be evaluated at
+    chunk_pairs = parse_schedule("chunk_schedule", chunk_schedule)
+    beta_pairs = parse_schedule("beta_schedule", beta_schedule,   # each beta a SharedConfig too
+                                lambda v: SharedConfig(**{**shared_config(), "beta": v}), float)
+    eval_counts = {name: parse_counts(name, spec) for name, spec in (
+        ("eval_chunks", eval_chunks), ("final_eval_chunks", final_eval_chunks or eval_chunks))}
+    splits = load_corpus(tok, ddp, master)
+    train_counts = sorted({n for n, _ in chunk_pairs} | {n_chunks})
+    lm_eval_counts = data.check_lengths(
+        tok, splits, train_counts, sorted(set(sum(eval_counts.values(), []))), task, chunk_size,
+        block_size, pad_passkeys, data_dir, master, needles)
+    if chunk_pos == "random" and max(train_counts) > max_chunk_id:
+        raise SystemExit(f"--max_chunk_id={max_chunk_id}: random chunk ids for "
+                         f"{max(train_counts)} chunks need at least {max(train_counts)}")
+    return chunk_pairs, beta_pairs, eval_counts, splits, lm_eval_counts
+
+
+def make_optimizer(raw, params, ckpt, rng, rank, dev_type, dt):
+    # AdamW (a loss scaler for float16 only: small gradients must not underflow), its state when
+    # resuming, and the moving average of what trains (fp32; None when off) -> optimizer, scaler,
+    # the iteration to start at, the average, each trained parameter's names
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(0.9, beta2), weight_decay=0.0)
+    scaler = torch.amp.GradScaler("cuda", enabled=dt == "float16")
+    iter_num = 0
+    if ckpt is not None:
+        iter_num = restore_training(ckpt, optimizer, scaler, rng, rank, dev_type, seed)
+    if rank == 0 and iter_num >= max_iters:
+        print(f"nothing to train: {out_dir}/ckpt.pt is at iteration {iter_num} and --max_iters is "
+              f"{max_iters}")
+    ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
+    names = [[n for n, q in raw.named_parameters(remove_duplicate=False) if q is p] for p in params]
+    if ckpt is not None and "raw" in ckpt:   # the model was built from the average: raw ones train
+        with torch.no_grad():
+            for p, ns in zip(params, names):
+                p.copy_(ckpt["raw"][ns[0]])
+    return optimizer, scaler, iter_num, ema, names
+
+
+def update_weights(optimizer, scaler, params, ema):
+    # one optimizer step on the true gradients (unscaled: a no-op without float16), clipped at
+    # norm 1.0 (a constant: no recipe changes it); the moving average moves toward the new weights
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if ema is not None:
+        with torch.no_grad():
+            for e, p in zip(ema, params):
+                e.lerp_(p, 1 - ema_decay)
+
+
+def evaluate_and_log(raw, params, ema, tok, splits, counts, lm_eval_counts, iters, iter_num, dev,
+                     autocast, log_path):
+    # evaluate the moving average of the weights; a failure says where the weights are saved
+    try:
+        with averaged(params, ema):
+            res = evaluate(raw, tok, splits, counts, lm_eval_counts, iters, iter_num, dev, autocast)
+    except Exception:
+        print(f"evaluation at iteration {iter_num} failed; the weights are saved in "
+              f"{os.path.join(out_dir, 'ckpt.pt')} (evaluate them again: "
+              "--init_from=resume --eval_only=True)", flush=True)
+        raise
+    print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()),
+          flush=True)
+    log(log_path, iter=iter_num, eval=res)
+
 
 
 def setup_processes():
@@ -317,13 +357,13 @@ def check_settings(dev, dev_type, dt):
 
 def shared_config():   # this run's model.SharedConfig settings
     return dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy,
-                keep=keep, sigma=sigma, chunk_ids=chunk_ids, max_chunk_id=max_chunk_id,
-                lower="shared" if train in ("all", "cross") else "copy")
+                keep=keep, sigma=sigma, chunk_pos=chunk_pos, max_chunk_id=max_chunk_id,
+                lower_weights="shared" if train in ("all", "cross") else "copy")
 
 
 def next_batch(rng, iter_num, tok, splits, n, dev):
     # one training batch of one kind -> kind, (context (B, n, C) or None, idx (B, T), targets
-    # (B, T), query lengths: they stay on the host, where the search policies read them)
+    # (B, T), question lengths: they stay on the host, where the search policies read them)
     kind = task
     if task == "mixed":
         kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"

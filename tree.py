@@ -55,8 +55,8 @@ def node_budget(chunk_size, height, beta):
     n_nodes = height + 1                               # one per level 1..h-1, two at level h
     total = max(n_nodes, round(chunk_size / beta))     # KVs kept per chunk
     if beta > 2 and total / n_nodes <= lengths[height]:
-        # The paper's level-wise scheme: every node keeps the same count,
-        # so the fraction kept doubles with each level down (nodes halve).
+        # The paper's level-wise scheme (alpha_w = 2 alpha_(w+1)): every node keeps the same
+        # count, so the fraction kept doubles with each level down, exactly so when nodes halve.
         base = total // n_nodes
         budget = [0] + [base] * height
         spare = total - base * n_nodes
@@ -69,7 +69,7 @@ def node_budget(chunk_size, height, beta):
         return budget
     # beta 1 or 2 (or any beta whose leaves would need more KVs than they have tokens):
     # no level-wise scheme fits, and the paper then keeps the same ratio beta at every level
-    # (appendix, Table 7's caption: "For beta in {1,2} ... we set the compression ratio
+    # (appendix, Table 10's caption: "For beta in {1,2} ... we set the compression ratio
     # same as the beta for every level").
     return [0] + [max(1, round(lengths[w] / beta)) for w in range(1, height + 1)]
 
@@ -95,22 +95,22 @@ def kept_positions(length, k, where="last"):
     return [j * length // k for j in range(k)]
 
 
-def search(n_chunks, chunk_size, height, beta, select=None, sigma=0.0, rng=None):
-    """Split-and-search (Algorithm 1) over n_chunks trees at once -> per chunk, its preserved
-    Nodes in text order. select(lefts, rights): the policy pi at one level, given each chunk's
-    children as (start, end) -> per chunk True if the right child is selected; None: always right
+def search(n_trees, chunk_size, height, beta, select=None, sigma=0.0, rng=None):
+    """Split-and-search (Algorithm 1) over n_trees trees at once, one per chunk -> per tree, its
+    preserved Nodes in text order. select(lefts, rights): the policy pi at one level, given each
+    tree's children as (start, end) -> per tree True if the right child is selected; None: right
     (the paper's language modeling). sigma: the split noise's spread as a fraction of the length l
-    of the node being split: 0.2 is Table 5's l/5 (LM), 0.1 its l/10 (SFT), 0 exact halves.
-    Algorithm 1 writes half_length / gamma, so its gamma is Table 5's divisor halved. One normal
+    of the node being split: 0.2 is Table 6's l/5 (LM), 0.1 its l/10 (SFT), 0 exact halves.
+    Algorithm 1 writes half_length / gamma, so its gamma is Table 6's divisor halved. One normal
     draw per level is shared by all chunks (its randn(1)); the last split is noisy too (Eq. 1:
     "any non-leaf node"; Algorithm 1 halves it exactly)."""
     budget = node_budget(chunk_size, height, beta)
     need = min_length(budget, height)
     rng = rng or random
-    selected = [(0, chunk_size)] * n_chunks            # the node being split, per chunk: the root
-    preserved = [[] for _ in range(n_chunks)]
+    selected = [(0, chunk_size)] * n_trees             # the node being split, per tree: the root
+    preserved = [[] for _ in range(n_trees)]
     for level in range(1, height + 1):
-        z = rng.gauss(0.0, 1.0) if sigma > 0 else 0.0  # this level's draw, shared by all chunks
+        z = rng.gauss(0.0, 1.0) if sigma > 0 else 0.0  # this level's draw, shared by all trees
         lefts, rights = [], []
         for s, e in selected:
             lo, hi = need[level], (e - s) - need[level]
@@ -122,13 +122,13 @@ def search(n_chunks, chunk_size, height, beta, select=None, sigma=0.0, rng=None)
             lefts.append((s, s + b))
             rights.append((s + b, e))
         if level == height:                            # leaves: both children are preserved
-            for i in range(n_chunks):
+            for i in range(n_trees):
                 preserved[i] += [Node(*lefts[i], level, budget[level]),
                                  Node(*rights[i], level, budget[level])]
             break
-        right = [True] * n_chunks if select is None else list(select(lefts, rights))
-        assert len(right) == n_chunks, f"select returned {len(right)} choices for {n_chunks} chunks"
-        for i in range(n_chunks):
+        right = [True] * n_trees if select is None else list(select(lefts, rights))
+        assert len(right) == n_trees, f"select returned {len(right)} choices for {n_trees} trees"
+        for i in range(n_trees):
             selected[i], other = (rights[i], lefts[i]) if right[i] else (lefts[i], rights[i])
             preserved[i].append(Node(*other, level, budget[level]))
     for nodes in preserved:   # text order (tests/test_tree.py: they tile the chunk)

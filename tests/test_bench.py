@@ -19,7 +19,7 @@ def test_bench_quick_json_and_budget(tmp_path):
               cmd=[sys.executable, os.path.join(ROOT, "bench.py")])
     assert "'lexical' search adds" in out and "skipped: ~" in out
     r = json.load(open(tmp_path / "b.json"))
-    assert r["device"].startswith("cpu") and sorted(r["retrieval_overhead_pct"]) == ["lexical", "query"]
+    assert r["device"].startswith("cpu") and sorted(r["retrieval_overhead_pct"]) == ["lexical", "vector"]
     assert isinstance(r["compress_pct_of_peak"], float) and r["compress_pct_of_peak"] > 0
     first, second = r["length_sweep"]
     assert first["context_tokens"] == 2048 and second["context_tokens"] == 4096
@@ -28,7 +28,7 @@ def test_bench_quick_json_and_budget(tmp_path):
     assert "budget" in second["full_attention_note"]
     for row in r["length_sweep"]:
         assert row["sharedllm_s"] > 0 and row["sharedllm_peak_mb"] >= 0
-    assert [k["value"] for k in r["knobs"]["policy"]] == ["right", "query", "lexical"]
+    assert [k["value"] for k in r["knobs"]["policy"]] == ["right", "vector", "lexical"]
 
 
 def test_compressed_kv_size_and_flops_match_the_model():

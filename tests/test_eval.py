@@ -28,7 +28,7 @@ def micro_ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("micro")
     with pytest.MonkeyPatch.context() as mp:   # in this process (a subprocess would cost a torch import)
         mp.chdir(d)
-        train_in_process(MICRO + ["--max_iters=2", "--eval_interval=2", f"--out_dir={d}", "--policy=query"], d)
+        train_in_process(MICRO + ["--max_iters=2", "--eval_interval=2", f"--out_dir={d}", "--policy=vector"], d)
     ck = torch.load(d / "ckpt.pt", weights_only=True)
     g = torch.Generator().manual_seed(0)
     for k, v in ck["model"].items():
@@ -61,7 +61,7 @@ def test_ppl_windows_count_and_stay_inside_documents():
 
 class Uniform(torch.nn.Module):
     # a model that gives every token the same logit: its perplexity is exactly the vocabulary size
-    def forward(self, ctx, idx, targets=None, query_len=None, last=0):
+    def forward(self, ctx, idx, targets=None, question_len=None, last=0):
         return torch.zeros(*idx[:, -last:].shape, 258), None
 
     @property
@@ -143,7 +143,7 @@ def test_passkey_window_row_reads_only_keys_inside_its_window():
     tok = ByteTokenizer()
     copier = Copier(tok.vocab_size)   # as the base model: what precedes the last `last` tokens is its context
     base = types.SimpleNamespace(upper=lambda seq, last: copier(seq[:, None, :-last], seq[:, -last:],
-                                                                query_len=torch.ones(len(seq), dtype=torch.long)))
+                                                                question_len=torch.ones(len(seq), dtype=torch.long)))
     n, C, W = 8, 64, 300
     for depth, want in ((0.0, 0.0), (1.0, 1.0)):   # the key at the start of 512 tokens: outside; at the end: inside
         acc, ran, _ = E.passkey_accuracy(base, tok, n, C, depth, 0.0, 4, 2, 0, "cpu", window=W)
@@ -168,7 +168,7 @@ def test_ppl_scores_the_last_k_tokens_of_each_window(monkeypatch):
         tokens[p - 20:p] = 7           # targets before the scored block: not scored, whatever they are
 
     class Sure(torch.nn.Module):
-        def forward(self, ctx, idx, targets=None, query_len=None):
+        def forward(self, ctx, idx, targets=None, question_len=None):
             return torch.nn.functional.one_hot(torch.zeros_like(idx), 258).float() * 100, None
     ppl, _ = E.score_ppl(Sure(), split, wins, 1, 32, 40, 10, "compressed", 2, "cpu")
     assert abs(ppl - 1.0) < 1e-6
@@ -205,9 +205,9 @@ def test_sample_greedy_equals_full_forward_greedy(micro_ckpt, capsys):
     idx, ql = torch.tensor([prompt]), torch.tensor([len(prompt)])
     with torch.no_grad():
         for _ in range(12):   # the query stays the prompt: the same trees as sample.py's single compression
-            nxt = model(ctx, idx, query_len=ql)[0][:, -1].argmax(-1, keepdim=True)
+            nxt = model(ctx, idx, question_len=ql)[0][:, -1].argmax(-1, keepdim=True)
             idx = torch.cat([idx, nxt], 1)
-        other = model(torch.roll(ctx, 40, dims=2), idx[:, :len(prompt)], query_len=ql)[0][:, -1].argmax(-1)
+        other = model(torch.roll(ctx, 40, dims=2), idx[:, :len(prompt)], question_len=ql)[0][:, -1].argmax(-1)
     assert got == idx[0, len(prompt):].tolist()
     assert len(set(got)) > 2 and other.item() != got[0]        # a varied answer that depends on the context
     assert f"-> {ctx.shape[1] * C // 8} compressed KVs per layer" in printed and "path " in printed
@@ -272,7 +272,7 @@ def test_bad_inputs_get_clear_errors(micro_ckpt, tmp_path, monkeypatch):
     for args, msg in [(["--task=ppx"], "--task=ppx: expected ppl, passkey, ruler, search or ablations"),
                       (["--chunks=1000", f"--data_dir={micro_ckpt / 'docs'}"], "no validation document has"),
                       (["--chunks=0"], "--chunks=0: expected positive integers"),
-                      (["--chunk_ids=maybe"], "--chunk_ids=maybe: expected plain, random or off"),
+                      (["--chunk_pos=maybe"], "--chunk_pos=maybe: expected plain, random or off"),
                       (["--task=ablations", "--compare=nolabel"], "expected label=out_dir")]:
         assert msg in error_of(E, ck + args, tmp_path, monkeypatch)
     bad = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
@@ -339,8 +339,8 @@ def test_a_checkpoint_with_a_retired_setting_is_named_and_read_with_todays(micro
     # settings that left with the one method (checkpoint.RETIRED): the error names the setting and the way to read it
     ck = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
     base = ["--task=passkey", "--chunks=3", "--samples=2", "--depths=0", "--device=cpu"]
-    for setting, value, fix in [("policy", "attention", "--policy=lexical"), ("policy", "query_mean", "--policy=query"),
-                                ("chunk_ids", "clamp", "--chunk_ids=plain")]:
+    for setting, value, fix in [("policy", "attention", "--policy=lexical"), ("policy", "query_mean", "--policy=vector"),
+                                ("chunk_pos", "clamp", "--chunk_pos=plain")]:
         old = {**ck, "model_args": {**ck["model_args"], "shared": {**ck["model_args"]["shared"], setting: value,
                                                                    "max_chunk_dist": 4}}}
         os.makedirs(tmp_path / value)
@@ -361,14 +361,14 @@ def test_a_checkpoint_with_a_retired_setting_is_named_and_read_with_todays(micro
 
 
 def test_a_checkpoint_from_before_the_renames_loads_with_the_same_settings(micro_ckpt, tmp_path):
-    # older checkpoints said noise = gamma (sigma = l / gamma; now sigma is the fraction itself) and chunk_ids True /
+    # older checkpoints said noise = gamma (sigma = l / gamma; now sigma is the fraction itself) and chunk_pos True /
     # False: they load as sigma = 1 / gamma (0: off) and "plain" / "off", and resume compares them as such
     from checkpoint import load_sharedllm
     ck = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
-    for old, want in [(dict(noise=5.0, chunk_ids=True), dict(sigma=0.2, chunk_ids="plain")),
-                      (dict(noise=0.0, chunk_ids=False), dict(sigma=0.0, chunk_ids="off"))]:
+    for old, want in [(dict(noise=5.0, chunk_pos=True), dict(sigma=0.2, chunk_pos="plain")),
+                      (dict(noise=0.0, chunk_pos=False), dict(sigma=0.0, chunk_pos="off"))]:
         shared = {k: v for k, v in ck["model_args"]["shared"].items() if k != "sigma"}
-        d = tmp_path / str(old["chunk_ids"])
+        d = tmp_path / str(old["chunk_pos"])
         os.makedirs(d)
         torch.save({**ck, "model_args": {**ck["model_args"], "shared": {**shared, **old}}}, d / "ckpt.pt")
         model = load_sharedllm(str(d))[0]
@@ -508,7 +508,7 @@ def test_eval_ruler_runs_each_task_with_a_checkpoint(micro_ckpt, tmp_path, monke
     assert "niah_multiquery: SharedLLM" in out and "left the asked values: leaf / between / coarse" in out
     run_eval(common + ["--chunks=16", "--task=search", "--ruler_tasks=niah_single_1", f"--out={tmp_path / 's.json'}"])
     res = json.load(open(tmp_path / "s.json"))["results"]   # every search on the passkey and the asked task
-    assert [(r["search"], r["task"]) for r in res] == [(s, t) for s in ("query", "right", "oracle")
+    assert [(r["search"], r["task"]) for r in res] == [(s, t) for s in ("vector", "right", "oracle")
                                                         for t in ("passkey", "niah_single_1")]
     assert all(r["coarse"] == 0 for r in res if r["search"] == "oracle")   # it walks to the value
     msg = error_of(E, common + ["--chunks=2"], tmp_path, monkeypatch)

@@ -148,13 +148,13 @@ def test_every_recipe_runs_the_one_method():
     # every config/*.py, train.py's defaults, SharedConfig's defaults and eval.py / sample.py reading a LLaMA folder:
     # one search and one chunk-id form (a recipe changes sizes, never the mechanism)
     import model as M
-    one = {k: getattr(M.SharedConfig(), k) for k in ("policy", "chunk_ids")}
-    assert one == {"policy": "lexical", "chunk_ids": "random"}
+    one = {k: getattr(M.SharedConfig(), k) for k in ("policy", "chunk_pos")}
+    assert one == {"policy": "lexical", "chunk_pos": "random"}
     for f in sorted(glob.glob(os.path.join(ROOT, "config", "*.py"))):
         cfg = parse_overrides([f], dict(train.config), train.__file__)
         assert {k: cfg[k] for k in one} == one, f
     assert {k: train.config[k] for k in one} == one
     with pytest.raises(ValueError, match="SharedConfig.policy = 'attention'"):    # the retired searches are gone
         M.SharedConfig(policy="attention")
-    with pytest.raises(ValueError, match="SharedConfig.chunk_ids = 'clamp'"):
-        M.SharedConfig(chunk_ids="clamp")
+    with pytest.raises(ValueError, match="SharedConfig.chunk_pos = 'clamp'"):
+        M.SharedConfig(chunk_pos="clamp")

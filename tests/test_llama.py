@@ -164,7 +164,7 @@ def test_attention_backends_agree(case):
 
 
 def test_a_masked_query_reads_exactly_its_allowed_keys():
-    # attention(mask=) (lower_kv: a kept token's query reads the keys up to its own position): the same as the plain
+    # attention(mask=) (lower_kv_kept: a kept token's query reads the keys up to its own position): the same as the plain
     # softmax over those keys alone (the oracle, and the oracle with the mask too), GQA included
     q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
     upto = torch.tensor([[1, 5, 9], [0, 4, 7]])                                 # each query's own position

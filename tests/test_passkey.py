@@ -60,18 +60,18 @@ class Copier:
     def __init__(self, vocab):
         self.vocab = vocab
 
-    def compress(self, ctx, idx, query_len):   # eval.py reads the nodes: here one node per chunk, nothing dropped
+    def compress(self, ctx, idx, question_len):   # eval.py reads the nodes: here one node per chunk, nothing dropped
         n, C = ctx.shape[1:]
-        return types.SimpleNamespace(ctx=ctx, query_len=query_len, nodes=[[Node(0, C, 1, 1)]] * (len(ctx) * n))
+        return types.SimpleNamespace(ctx=ctx, question_len=question_len, nodes=[[Node(0, C, 1, 1)]] * (len(ctx) * n))
 
     def upper(self, idx, memory):
-        return self(memory.ctx, idx, query_len=memory.query_len)
+        return self(memory.ctx, idx, question_len=memory.question_len)
 
-    def __call__(self, ctx, idx, targets=None, query_len=None):
+    def __call__(self, ctx, idx, targets=None, question_len=None):
         logits = torch.zeros(*idx.shape, self.vocab)
         for b in range(idx.shape[0]):
             c, x = ctx[b].flatten().tolist(), idx[b].tolist()
-            for t in range(int(query_len[b]) - 1, len(x)):
+            for t in range(int(question_len[b]) - 1, len(x)):
                 for L in range(min(16, t + 1), 0, -1):
                     at = [i for i in range(len(c) - L) if c[i:i + L] == x[t + 1 - L:t + 1]]
                     if at:
@@ -100,7 +100,7 @@ def test_answer_is_tokenized_as_in_the_needle_and_batches_stack(tok):
 def test_a_model_that_copies_the_needle_scores_100_percent(tok):
     copier = Copier(tok.vocab_size)
     ctx, idx, tgt, ql = data.get_batch("passkey", 8, random.Random(0), tok, None, 4, 64, None)
-    logits, _ = copier(ctx, idx, query_len=ql)
+    logits, _ = copier(ctx, idx, question_len=ql)
     scored = tgt != -100
     assert ((logits.argmax(-1) == tgt) | ~scored).all(-1).sum().item() == 8     # train.py's evaluation criterion
     acc, _, _ = E.passkey_accuracy(copier, tok, 4, 64, 0.5, 1.0, 8, 4, 0, "cpu")   # eval.py's, over depths 0..1

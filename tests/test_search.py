@@ -61,7 +61,7 @@ def build(policy, seed=0):
     torch.manual_seed(seed)
     base = M.Llama(preset("micro", n_layers=4)).eval()
     s = M.SharedLLM.from_llama(base, n_lower=2, chunk_size=64, height=3, beta=4, policy=policy,
-                               chunk_ids="plain").eval()
+                               chunk_pos="plain").eval()
     for blk in s.upper.layers:   # a cross-attention query unlike the self-attention's it starts as
         if blk.cross_attention is not None:
             torch.nn.init.normal_(blk.cross_attention.wq.weight, std=0.3)
@@ -90,13 +90,13 @@ def selects_right_reference(s, question, left, right):
 
 
 @pytest.mark.parametrize("lower", ["shared", "copy"])
-def test_query_policy_equals_the_reference_vector(lower):
-    # the paper's search (policy="query"): the batched vectors choose as the obvious ones do, child by child;
+def test_vector_policy_equals_the_reference_vector(lower):
+    # the paper's search (policy="vector"): the batched vectors choose as the obvious ones do, child by child;
     # the question's vector comes from the upper model, the children's from the lower (told apart: "copy" with its
     # weights moved)
-    s = build("query")
+    s = build("vector")
     if lower == "copy":
-        s = M.SharedLLM.from_llama(s.upper, **{**s.scfg.__dict__, "lower": "copy"}).eval()
+        s = M.SharedLLM.from_llama(s.upper, **{**s.scfg.__dict__, "lower_weights": "copy"}).eval()
         with torch.no_grad():
             for p in s.lower.layers[0].parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.2)

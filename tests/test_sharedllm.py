@@ -19,7 +19,7 @@ def build(seed=0, wo_scale=0.0, **kw):
     torch.manual_seed(seed)
     base = M.Llama(preset("micro", n_layers=3)).eval()
     ref = copy.deepcopy(base)
-    cfg = dict(n_lower=2, chunk_size=64, height=3, beta=4, policy="right", sigma=0.2, chunk_ids="plain")
+    cfg = dict(n_lower=2, chunk_size=64, height=3, beta=4, policy="right", sigma=0.2, chunk_pos="plain")
     s = M.SharedLLM.from_llama(base, **{**cfg, **kw}).eval()
     if wo_scale:   # a trained-looking cross-attention, so the context actually changes the output
         for blk in s.upper.layers:
@@ -34,21 +34,46 @@ def data(B=2, n=3, T=20, C=64, seed=1):
 
 
 @pytest.mark.parametrize("lower", ["shared", "copy"])
-@pytest.mark.parametrize("policy", ["right", "query", "lexical"])
+@pytest.mark.parametrize("policy", ["right", "vector", "lexical"])
 def test_untrained_sharedllm_equals_base_llama(lower, policy):
-    s, ref = build(lower=lower, policy=policy)
+    s, ref = build(lower_weights=lower, policy=policy)
     ctx, idx = data()
     with torch.no_grad():
         a, _ = s(ctx, idx)
         b, _ = ref(idx)
     assert torch.equal(a, b)                                # zero output projection: exactly the base model
-    s2, _ = build(lower=lower, policy=policy, wo_scale=0.5)
+    s2, _ = build(lower_weights=lower, policy=policy, wo_scale=0.5)
     with torch.no_grad():
         assert rel_err(b, s2(ctx, idx)[0]) > 1e-3           # ...and the context does matter once it is not zero
 
 
+@pytest.mark.parametrize("n_layers", [1, 2, 3, 4])
+def test_lower_kv_kept_equals_lower_kv(n_layers):
+    # what runs (lower_kv_kept: the top block's K/V at the kept tokens alone, the block below it at those tokens only)
+    # gives the plain statement's K/V (lower_kv: full blocks, then one gather) and the same gradients, at every M
+    torch.manual_seed(0)
+    llama = M.Llama(preset("micro", n_layers=4))
+    tokens = torch.randint(0, V, (3, 16), generator=torch.Generator().manual_seed(1))
+    kept_at = torch.tensor([[3, 7, 11, 15], [0, 4, 8, 12], [1, 5, 9, 15]])   # each row its own positions
+    outs, grads = [], []
+    for fn in (M.lower_kv, M.lower_kv_kept):
+        llama.zero_grad(set_to_none=True)
+        out = fn(llama, tokens, n_layers, kept_at)
+        g = torch.Generator().manual_seed(2)
+        sum((t * torch.randn(t.shape, generator=g)).sum() for kv in out for t in kv).backward()
+        outs.append(out)
+        grads.append({n: p.grad for n, p in llama.named_parameters() if p.grad is not None})
+    assert len(outs[0]) == len(outs[1]) == n_layers
+    for kv1, kv2 in zip(*outs):
+        for t1, t2 in zip(kv1, kv2):
+            assert t1.shape == t2.shape == (3, 2, 4, 8) and rel_err(t1, t2) < 1e-6
+    assert grads[0].keys() == grads[1].keys() and "tok_embeddings.weight" in grads[0]
+    for n in grads[0]:
+        assert rel_err(grads[0][n], grads[1][n]) < 1e-5, n
+
+
 def test_lower_kv_equals_base_llama_kv_at_kept_positions():
-    s, ref = build(chunk_ids="plain")
+    s, ref = build(chunk_pos="plain")
     ctx, idx = data(B=2, n=3)
     mem = s.compress(ctx, idx)
     S = sum(nd.n_kept for nd in mem.nodes[0])
@@ -78,21 +103,21 @@ def test_lower_kv_equals_base_llama_kv_at_kept_positions():
                 off += nd.n_kept
 
 
-def test_chunk_ids_make_order_visible():
+def test_chunk_pos_make_order_visible():
     ctx, idx = data(n=4)
     perm = ctx[:, [2, 0, 3, 1]]
-    for chunk_ids, should_change in [("plain", True), ("random", True), ("off", False)]:
-        s, _ = build(wo_scale=0.5, chunk_ids=chunk_ids)
+    for chunk_pos, should_change in [("plain", True), ("random", True), ("off", False)]:
+        s, _ = build(wo_scale=0.5, chunk_pos=chunk_pos)
         with torch.no_grad():
             a, b = s(ctx, idx)[0], s(perm, idx)[0]
         err = rel_err(a, b)
-        assert (err > 1e-3) if should_change else (err < 1e-5), (chunk_ids, err)
+        assert (err > 1e-3) if should_change else (err < 1e-5), (chunk_pos, err)
 
 
-def test_random_chunk_ids_are_plain_at_inference_and_keep_order_in_training():
+def test_random_chunk_pos_are_plain_at_inference_and_keep_order_in_training():
     ctx, idx = data(B=3, n=4)
-    plain, _ = build(wo_scale=0.5, chunk_ids="plain")
-    rand, _ = build(wo_scale=0.5, chunk_ids="random", max_chunk_id=40, sigma=0.0)   # no split noise in training
+    plain, _ = build(wo_scale=0.5, chunk_pos="plain")
+    rand, _ = build(wo_scale=0.5, chunk_pos="random", max_chunk_id=40, sigma=0.0)   # no split noise in training
     with torch.no_grad():
         assert torch.equal(plain(ctx, idx)[0], rand(ctx, idx)[0])          # eval: ids 0..n-1, queries at n
     rand.train()
@@ -111,7 +136,7 @@ def test_random_chunk_ids_are_plain_at_inference_and_keep_order_in_training():
     assert not torch.equal(m1.q_rope[0], m2.q_rope[0]) and not torch.equal(m1.kv[0][0], m2.kv[0][0])
     assert torch.equal(m1.kv[0][1], m2.kv[0][1])                           # values carry no position
     with pytest.raises(ValueError, match="5 chunks need chunk ids up to 5; max_chunk_id is 4"):
-        build(chunk_ids="random", max_chunk_id=4)[0].train().compress(data(n=5)[0], idx)
+        build(chunk_pos="random", max_chunk_id=4)[0].train().compress(data(n=5)[0], idx)
 
 
 def decode_stepwise(s, idx, mem, prefill):
@@ -123,7 +148,7 @@ def decode_stepwise(s, idx, mem, prefill):
     return torch.cat(steps, 1)
 
 
-@pytest.mark.parametrize("policy", ["right", "query"])
+@pytest.mark.parametrize("policy", ["right", "vector"])
 def test_cached_decoding_equals_full_forward(policy):
     s, _ = build(wo_scale=0.5, policy=policy)
     ctx, idx = data(B=2, T=16)
@@ -142,38 +167,38 @@ def test_cached_decoding_equals_full_forward(policy):
 
 
 def test_batch_items_are_independent():
-    s, _ = build(wo_scale=0.5, policy="query")
+    s, _ = build(wo_scale=0.5, policy="vector")
     ctx, idx = data(B=3, n=2)
     ql = torch.tensor([3, 7, 16])
     with torch.no_grad():
-        batched = s(ctx, idx, query_len=ql)[0]
+        batched = s(ctx, idx, question_len=ql)[0]
         for b in range(3):
-            assert rel_err(batched[b:b + 1], s(ctx[b:b + 1], idx[b:b + 1], query_len=ql[b:b + 1])[0]) < 1e-5
+            assert rel_err(batched[b:b + 1], s(ctx[b:b + 1], idx[b:b + 1], question_len=ql[b:b + 1])[0]) < 1e-5
 
 
 def test_language_modeling_has_no_query():
-    # With no query (query_len None, or 0 for a row) the tree goes right, as the paper's LM policy: a query taken
+    # With no query (question_len None, or 0 for a row) the tree goes right, as the paper's LM policy: a query taken
     # from X_D itself would let the tree choice depend on the very tokens being predicted.
-    s, _ = build(wo_scale=0.5, policy="query")
+    s, _ = build(wo_scale=0.5, policy="vector")
     ctx, idx = data(B=2, n=3)
     with torch.no_grad():
         a = s(ctx, idx)[0]
-        b = s(ctx, idx, query_len=torch.tensor([0, 0]))[0]
+        b = s(ctx, idx, question_len=torch.tensor([0, 0]))[0]
         mixed = s.compress(ctx, idx, torch.tensor([0, 16]))
         s.scfg.policy = "right"
         ref = s(ctx, idx)[0]
         right = s.compress(ctx, idx)
-        s.scfg.policy = "query"
+        s.scfg.policy = "vector"
         steered = s.compress(ctx, idx, torch.tensor([16, 16]))
     assert torch.equal(a, ref) and torch.equal(b, ref)
     assert mixed.nodes[:3] == right.nodes[:3] and mixed.nodes[3:] == steered.nodes[3:]   # per row
     assert steered.nodes != right.nodes            # (the query does steer this model's trees)
 
 
-def test_query_policy_pairs_each_chunk_with_its_own_children(monkeypatch):
+def test_vector_policy_pairs_each_chunk_with_its_own_children(monkeypatch):
     # Make hidden vectors one-hot of the span's last token: the query (last token Q) is similar only to a
     # child ending in Q. Chunks 0 and 2 end their LEFT half in Q, chunk 1 its RIGHT half; answers are known.
-    s, _ = build(policy="query", height=2)
+    s, _ = build(policy="vector", height=2)
     Q = 7
     ctx, idx = data(B=2, n=3)
     ctx[ctx == Q] = 8
@@ -197,7 +222,7 @@ def test_gradients_reach_exactly_the_trainable_parameters():
     no_grad = [n for n, p in s.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
     assert no_grad == []
     # the paper's LM recipe on a checkpoint: frozen copy as the lower model, only cross-attention trains
-    s, _ = build(wo_scale=0.5, lower="copy")
+    s, _ = build(wo_scale=0.5, lower_weights="copy")
     for n, p in s.named_parameters():
         p.requires_grad_(".cross_" in n)
     s.train()
@@ -259,7 +284,7 @@ def test_compress_under_no_grad_keeps_no_graph():
 
 
 def test_hidden_vector_is_the_first_block_at_the_last_position():
-    # the paper's search (policy="query") compares hidden vectors h: a right-padded batch of sequences must read as
+    # the paper's search (policy="vector") compares hidden vectors h: a right-padded batch of sequences must read as
     # each sequence on its own through the first block and the final norm, at its last position
     torch.manual_seed(0)
     m = M.Llama(preset("tiny", n_layers=2)).eval()                # GQA: 4 query heads over 2 KV heads
@@ -275,7 +300,7 @@ def test_hidden_vector_is_the_first_block_at_the_last_position():
         assert (M.hidden_vectors(m, pad, lengths)[2] - h[2]).abs().max() < 2e-6
 
 
-@pytest.mark.parametrize("policy", ["right", "query", "lexical"])
+@pytest.mark.parametrize("policy", ["right", "vector", "lexical"])
 def test_compressed_kv_and_gradients_equal_encoding_each_node_alone(policy):
     # The batched encoding (nodes of a level padded together, the last lower block at the kept tokens only): values
     # and gradients must equal each node encoded on its own, whichever search chose the nodes.
@@ -305,7 +330,7 @@ def test_compressed_kv_and_gradients_equal_encoding_each_node_alone(policy):
         assert r.abs().sum() > 0 and rel_err(a, r) < 1e-5, (name, rel_err(a, r))
 
 
-@pytest.mark.parametrize("policy", ["right", "query"])
+@pytest.mark.parametrize("policy", ["right", "vector"])
 def test_encoding_in_small_calls_changes_nothing(policy, monkeypatch):
     # compress encodes each level in calls of about ENCODE_TOKENS tokens (speed, memory): the split is invisible
     s, _ = build(wo_scale=0.5, policy=policy)
@@ -319,10 +344,10 @@ def test_encoding_in_small_calls_changes_nothing(policy, monkeypatch):
         assert rel_err(K1, K2) < 1e-6 and rel_err(V1, V2) < 1e-6
 
 
-@pytest.mark.parametrize("policy,kw", [("query", dict(sigma=0.2)), ("lexical", dict(sigma=0.2)),
+@pytest.mark.parametrize("policy,kw", [("vector", dict(sigma=0.2)), ("lexical", dict(sigma=0.2)),
                                        ("lexical", dict(n_lower=3, sigma=0.2)),
                                        ("right", dict(sigma=0.2)),
-                                       ("query", dict(n_lower=1, beta=1, keep="first"))])
+                                       ("vector", dict(n_lower=1, beta=1, keep="first"))])
 def test_reference_encoding_equals_the_batched_one(policy, kw):
     # encode_nodes_reference (below) encodes each preserved node on its own through the lower model's blocks and reads
     # its K/V from their KV caches: encode_nodes (spans padded together, only the kept tokens projected in the last

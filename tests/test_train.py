@@ -88,15 +88,15 @@ def test_config_errors(tmp_path, capsys):
                        "--needles=mix with --chunk_size=32 and --n_chunks / --chunk_schedule: 2 "
                        "chunk(s) hold 64 tokens; 4 needles take up to 280"),
                       (["--policy=attention"], "SharedConfig.policy = 'attention'; expected one of ('lexical', "
-                                               "'query', 'right')"),
+                                               "'vector', 'right')"),
                       (["--preset=huge"], "--preset=huge: expected one of"),
                       (["--tokenizer=nonexistent.model"], "--tokenizer=nonexistent.model: nonexistent.model: no tokenizer"),
                       (["--init_from=/nonexistent"], "--init_from=/nonexistent: no such file or folder"),
-                      (["--chunk_ids=random", "--max_chunk_id=1"], "--max_chunk_id=1: random chunk ids for 2 chunks need"),
+                      (["--chunk_pos=random", "--max_chunk_id=1"], "--max_chunk_id=1: random chunk ids for 2 chunks need"),
                       (["--beta=0"], "SharedConfig.beta = 0; expected at least 1"),
                       (["--height=0"], "SharedConfig.height = 0; expected at least 1"),
                       (["--device=gpu"], "--device=gpu: expected auto, cpu, cuda, cuda:N or mps"),
-                      (["--chunk_ids=maybe"], "SharedConfig.chunk_ids = 'maybe'; expected one of ('random', 'plain', 'off')")]:
+                      (["--chunk_pos=maybe"], "SharedConfig.chunk_pos = 'maybe'; expected one of ('random', 'plain', 'off')")]:
         cfg = parse_overrides(MICRO + args + [f"--out_dir={tmp_path / 'out'}"], dict(train.config), train.__file__)
         with pytest.MonkeyPatch.context() as mp:
             for k, v in cfg.items():
@@ -213,7 +213,7 @@ def test_fixed_batch_overfits():
     opt = torch.optim.AdamW(s.parameters(), lr=1e-2)
     losses = []
     for _ in range(150):
-        _, loss = s(*batch[:3], query_len=batch[3])
+        _, loss = s(*batch[:3], question_len=batch[3])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -234,9 +234,9 @@ def test_resume_equals_uninterrupted_run(tmp_path, capsys):
     train_in_process(common + [f"--out_dir={part}", "--stop_iter=3"], tmp_path)
     assert torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)["iter_num"] == 3
     # a SharedLLM setting other than the checkpoint's is refused, not silently replaced by the checkpoint's
-    with pytest.raises(SystemExit, match=re.escape("was trained with policy='lexical', chunk_ids='random' but this "
-                                                   "run sets policy='query', chunk_ids='off'")):
-        train_in_process(common + [f"--out_dir={part}", "--init_from=resume", "--chunk_ids=off", "--policy=query"],
+    with pytest.raises(SystemExit, match=re.escape("was trained with policy='lexical', chunk_pos='random' but this "
+                                                   "run sets policy='vector', chunk_pos='off'")):
+        train_in_process(common + [f"--out_dir={part}", "--init_from=resume", "--chunk_pos=off", "--policy=vector"],
                          tmp_path)
     train_in_process(common + [f"--out_dir={part}", "--init_from=resume"], tmp_path)
     a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=True)

@@ -60,7 +60,7 @@ def test_a_fractional_beta_can_keep_every_token_of_a_leaf():
 
 @pytest.mark.parametrize("C,h", [(1024, 3), (128, 3), (1024, 2), (1024, 4), (512, 3)])
 def test_beta_2_keeps_one_in_two_at_every_level(C, h):
-    # Table 7's caption: "For beta in {1,2} ... we set the compression ratio same as the beta for every level"
+    # Table 10's caption: "For beta in {1,2} ... we set the compression ratio same as the beta for every level"
     nodes = tree.search(1, C, h, 2)[0]
     assert [len(n) / n.n_kept for n in nodes] == [2.0] * (h + 1) and C / sum(n.n_kept for n in nodes) == 2
     assert tree.node_budget(1024, 3, 2) == [0, 256, 128, 64]

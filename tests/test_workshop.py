@@ -32,9 +32,9 @@ def micro_run(tmp_path_factory):
     docs.mkdir()
     for i in range(10):
         (docs / f"{i}.txt").write_text("".join(f"line {j} of file {i}: x{j % 7} = y{j % 5}\n" for j in range(150)))
-    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=query",
+    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=vector",
                               f"--data_dir={docs}", f"--out_dir={d / 'out'}", "--stop_iter=2"], d)
-    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=query",
+    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=vector",
                               f"--data_dir={docs}", f"--out_dir={d / 'out'}", "--init_from=resume"], d)
     ck = torch.load(d / "out" / "ckpt.pt", weights_only=True)
     g = torch.Generator().manual_seed(0)
@@ -102,7 +102,7 @@ def test_attention_picture_weights_are_what_the_layer_reads(tmp_path):
     # the drawn weights, applied to the layer's values and output projection, give the layer's own output
     torch.manual_seed(0)
     s = M.SharedLLM.from_llama(M.Llama(preset("micro", n_layers=3)), n_lower=2, chunk_size=32, height=2, beta=4,
-                               policy="query").eval()
+                               policy="vector").eval()
     for p in s.parameters():
         torch.nn.init.normal_(p, std=0.3)
     ctx, idx = torch.randint(0, 258, (1, 5, 32)), torch.randint(0, 258, (1, 9))
@@ -239,7 +239,7 @@ def test_the_recipe_is_the_one_workshop_md_describes():
     text = " ".join(text[text.index("## The short run"):text.index("```", text.index("## The short run"))].split())
     steps = [tuple(map(int, p.split(":"))) for p in cfg["chunk_schedule"].split(",")]       # [(chunks, until), ...]
     curriculum = ", ".join(f"{n} until {until:,}" for n, until in steps[1:])
-    assert f"M = {cfg['n_lower']};" in text and "policy" not in cfg and "chunk_ids" not in cfg   # the one method
+    assert f"M = {cfg['n_lower']};" in text and "policy" not in cfg and "chunk_pos" not in cfg   # the one method
     assert f"{cfg['max_iters']:,} iterations, 1 chunk until iteration {steps[0][1]}, {curriculum}, then " \
            f"{cfg['n_chunks']};" in text
     beta, until = cfg["beta_schedule"].split(":")
