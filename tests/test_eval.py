@@ -361,14 +361,20 @@ def test_a_checkpoint_with_a_retired_setting_is_named_and_read_with_todays(micro
 
 
 def test_a_checkpoint_from_before_the_renames_loads_with_the_same_settings(micro_ckpt, tmp_path):
-    # older checkpoints said noise = gamma (sigma = l / gamma; now sigma is the fraction itself) and chunk_pos True /
-    # False: they load as sigma = 1 / gamma (0: off) and "plain" / "off", and resume compares them as such
+    # older checkpoints said noise = gamma (sigma = l / gamma; now sigma is the fraction itself), chunk_ids True / False
+    # or a form, lower (now lower_weights) and policy "query" (now "vector"): they load as today's settings
     from checkpoint import load_sharedllm
     ck = torch.load(micro_ckpt / "ckpt.pt", weights_only=True)
-    for old, want in [(dict(noise=5.0, chunk_pos=True), dict(sigma=0.2, chunk_pos="plain")),
-                      (dict(noise=0.0, chunk_pos=False), dict(sigma=0.0, chunk_pos="off"))]:
-        shared = {k: v for k, v in ck["model_args"]["shared"].items() if k != "sigma"}
-        d = tmp_path / str(old["chunk_pos"])
+    renamed = ("sigma", "chunk_pos", "lower_weights", "policy")
+    for i, (old, want) in enumerate([
+            (dict(noise=5.0, chunk_ids=True, lower="shared", policy="query"),
+             dict(sigma=0.2, chunk_pos="plain", lower_weights="shared", policy="vector")),
+            (dict(noise=0.0, chunk_ids=False, lower="shared", policy="lexical"),
+             dict(sigma=0.0, chunk_pos="off", lower_weights="shared", policy="lexical")),
+            (dict(sigma=0.0, chunk_ids="random", lower="shared", policy="right"),
+             dict(sigma=0.0, chunk_pos="random", lower_weights="shared", policy="right"))]):
+        shared = {k: v for k, v in ck["model_args"]["shared"].items() if k not in renamed}
+        d = tmp_path / str(i)
         os.makedirs(d)
         torch.save({**ck, "model_args": {**ck["model_args"], "shared": {**shared, **old}}}, d / "ckpt.pt")
         model = load_sharedllm(str(d))[0]
