@@ -431,7 +431,7 @@ class SharedLLM(nn.Module):
         # chunk step looks like one token step, and chunk i's key at p + 1 like chunk i + 1's at
         # p (at 8 chunks, 12 of the default tree's 52 positions i + p are two chunks'). Read with
         # keys at i alone, the default checkpoint finds the same passkeys at 4-256 chunks and reads
-        # text 0.1-0.2% worse (docs/experiments.md).
+        # text 0.02-0.17% worse (docs/experiments.md).
         # kv: per layer (K, V), each (B*n*kv_per_chunk, Hkv, hd), row by row
         kv_per_chunk = sum(nd.n_kept for nd in nodes[0])     # the same for every chunk
         k_pos, q_pos = chunk_positions(self.scfg, B, n, kv[0][0].device, self.training)
