@@ -394,33 +394,27 @@ class SharedLLM(nn.Module):
 
     def encode_nodes(self, rows, nodes):
         # Step 3 (Sec. 3.2): each preserved node, as a sequence of its own, through the lower
-        # model's M layers; each layer's K (rotated) and V kept at tree.kept_positions (lower_kv,
-        # run as lower_kv_kept).
+        # model's M layers; each layer's K (rotated) and V kept at tree.kept_positions: lower_kv
+        # says it, lower_kv_kept runs it. A level's nodes have one KV count and one length (but
+        # for split noise): they go through together, about ENCODE_TOKENS tokens a call.
         # rows: (B*n, C); nodes: per row, its preserved Nodes -> per layer (K, V), each
-        # (B*n*kv_per_chunk, Hkv, hd), row by row. A level's nodes have one KV count and one
-        # length (but for split noise): they go through together, ENCODE_TOKENS tokens a call.
+        # (B*n*kv_per_chunk, Hkv, hd), row by row
         low, n_lower = self.lower_model(), self.scfg.n_lower
-        kept = [([], []) for _ in range(n_lower)]   # per layer: each call's kept K and V
-        first_kv = {}   # (row, node start) -> its first KV's index in the calls, concatenated
-        n_encoded = 0
+        kept, encoded = [([], []) for _ in range(n_lower)], []   # per layer: each call's K, V
         for level in range(1, self.scfg.height + 1):
             at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
             per_call = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
             for i in range(0, len(at_level), per_call):
-                group = at_level[i:i + per_call]
+                group = at_level[i:i + per_call]                          # (row, Node) pairs
                 tokens = gather_spans(rows, [r for r, _ in group],
                                       [(nd.start, nd.end) for _, nd in group])     # (R, L)
                 kept_at = to_device([tree.kept_positions(len(nd), nd.n_kept, self.scfg.keep)
                                      for _, nd in group], rows.device)            # (R, n_kept)
                 for j, kv in enumerate(lower_kv_kept(low, tokens, n_lower, kept_at)):
                     for out, t in zip(kept[j], kv):                    # (R, Hkv, n_kept, hd)
-                        out.append(t.transpose(1, 2).flatten(0, 1))
-                for r, nd in group:
-                    first_kv[r, nd.start], n_encoded = n_encoded, n_encoded + nd.n_kept
-        # Each row's KVs in text order, as memory.nodes lists them: cross-attention reads them in
-        # any order, but sample.py's attention picture maps each KV to its node.
-        order = to_device([first_kv[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
-                           for t in range(nd.n_kept)], rows.device)
+                        out.append(t.transpose(1, 2).flatten(0, 1))    # (R * n_kept, Hkv, hd)
+                encoded += group
+        order = to_device(text_order(nodes, encoded), rows.device)
         return [(torch.cat(ks)[order], torch.cat(vs)[order]) for ks, vs in kept]
 
     def chunk_level_kv(self, kv, nodes, B, n):
@@ -428,10 +422,11 @@ class SharedLLM(nn.Module):
         # every X_D query to the queries' id n (chunk_positions: the paper's i and n, or random
         # ids in training). Ours: a key keeps the rotation by its position p inside its node
         # (lower_kv), and rotating by p then by i is rotating by i + p. So a key sits at i + p: one
-        # chunk step looks like one token step, and chunk i's key at p + 1 like chunk i + 1's at
-        # p (at 8 chunks, 12 of the default tree's 52 positions i + p are two chunks'). Read with
-        # keys at i alone, the default checkpoint finds the same passkeys at 4-256 chunks and reads
-        # text 0.02-0.17% worse (docs/experiments.md).
+        # chunk step looks like one token step, chunk i's key at p + 1 like chunk i + 1's at p (at
+        # 8 chunks, 12 of the default tree's 52 positions i + p are two chunks'), and most keys sit
+        # past n, where Eq. 2 puts the queries after every chunk. Read with keys at i alone, the
+        # default checkpoint finds the same passkeys at 4-256 chunks and reads text 0.02-0.17%
+        # worse (docs/experiments.md).
         # kv: per layer (K, V), each (B*n*kv_per_chunk, Hkv, hd), row by row
         kv_per_chunk = sum(nd.n_kept for nd in nodes[0])     # the same for every chunk
         k_pos, q_pos = chunk_positions(self.scfg, B, n, kv[0][0].device, self.training)
@@ -445,6 +440,17 @@ class SharedLLM(nn.Module):
             K, V = (t.view(B, -1, *t.shape[1:]).transpose(1, 2) for t in (K, V))   # (B, Hkv, ., hd)
             out.append((K if k_rope is None else apply_rope(K, *k_rope), V))
         return Memory(out, q_rope, nodes)
+
+
+def text_order(nodes, encoded):
+    # The KVs encode_nodes' calls return, in `encoded` order (row, Node pairs, level by level) ->
+    # the index of each KV there, row by row and each row's nodes in text order, as memory.nodes
+    # lists them. Cross-attention reads them in any order; sample.py's picture maps KVs to nodes.
+    first, n_before = {}, 0
+    for r, nd in encoded:
+        first[r, nd.start], n_before = n_before, n_before + nd.n_kept
+    return [first[r, nd.start] + t for r, nds in enumerate(nodes) for nd in nds
+            for t in range(nd.n_kept)]
 
 
 def chunk_positions(scfg, B, n, device, training):

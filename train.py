@@ -41,11 +41,12 @@ eval_iters = 8          # batches per eval setting
 eval_chunks = "4,16"    # chunk counts evaluated every eval_interval
 final_eval_chunks = "4,16,64,256"   # ... and at the end (32K-token contexts); "" = eval_chunks
 # data
-task = "mixed"          # "lm" | "passkey" | "mixed" (passkeys + language modeling: SFT's mix)
+task = "mixed"          # "lm" | "passkey" | "mixed": passkeys + language modeling (ours: questions
+                        # with their answer in X_C, in place of the paper's SFT data)
 data_dir = ""           # .txt folder, glob, "stdlib" (= ""), "pydoc", or several joined by commas
 tokenizer = "byte"      # "byte" | "gpt2" | a tokenizer file (a LLaMA folder brings its own)
 n_chunks = 8            # n: context chunks per training sample at the end (X_C = n x C tokens)
-block_size = 64         # T: running-text tokens (X_D)
+block_size = 64         # T: running-text tokens (X_D); a size, for a CPU in minutes
 # model: the preset for scratch; SharedLLM's settings always (model.SharedConfig)
 preset = "tiny"         # load_llama.PRESETS key, for init_from=scratch
 n_lower = 3             # M: lower-model layers = cross-attention layers (paper: 4 LM, 16 SFT)
@@ -73,12 +74,12 @@ needles = "passkey"     # "passkey" | "mix": the passkey or, 2 in 3 samples, a f
 context_dropout = 0.25  # share of text batches without X_C (ours: the upper model also works
                         # alone, and the ratio with and without the context is a fair one)
 ema_decay = 0.998       # evaluate and save a moving average of the weights; 0 = off (ours)
-# optimizer: AdamW (paper: beta1 0.9), no weight decay, gradients clipped at norm 1, cosine lr
-batch_size = 16
+# optimizer: AdamW (paper: beta1 0.9), no weight decay, cosine lr; ours: gradients clipped at norm 1
+batch_size = 16         # sizes (batch, steps): for a CPU in minutes
 max_iters = 2600
 learning_rate = 3e-3    # ours: a small model from scratch
-min_lr = 3e-4           # the cosine schedule's floor
-warmup_iters = 50       # paper: 1% of the run (LM), 0.1% (SFT)
+min_lr = 3e-4           # the cosine schedule's floor (ours)
+warmup_iters = 50       # ours: 2% of the run (paper: 1% LM, 0.1% SFT)
 beta2 = 0.99            # ours: a short run (paper: 0.999)
 # system
 device = "auto"         # "auto" = cuda, else cpu ("mps" only when named)
@@ -86,9 +87,9 @@ dtype = "auto"          # "auto" = bfloat16 autocast on CUDA where supported, el
 seed = 1337
 # --- a first reading can skip the rest: control and scale-up ---
 final_eval_iters = 0    # eval_iters for the last eval; 0 = eval_iters (128 haystacks: +-2 points)
-keep = "last"           # "last" | "first" token of each stride window (model.SharedConfig)
-max_chunk_id = 1024     # chunk_pos "random": the largest id drawn in training (4x the default's
-                        # longest evaluation, 256 chunks)
+keep = "last"           # "last" (ours) | "first" token of each stride window (model.SharedConfig)
+max_chunk_id = 1024     # chunk_pos "random" (ours): the largest id drawn in training (4x the
+                        # default's longest evaluation, 256 chunks)
 gradient_accumulation_steps = 1
 activation_checkpointing = False
 compile = False         # torch.compile the model (not on CPU)

@@ -24,5 +24,5 @@ min_lr = 3e-4
 max_iters = 2600
 ema_decay = 0.998            # evaluate and save the weights' moving average (restarts at lm_from)
 eval_chunks = "4,16"
-final_eval_chunks = "4,16,64,256"   # at the end: up to 32K context tokens, 64x the training length
+final_eval_chunks = "4,16,64,256"   # at the end: up to 32K context tokens, 32x the training length
 final_eval_iters = 0         # as at every eval: 128 haystacks and windows a length (+-2 points)
