@@ -64,7 +64,7 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-# RoPE with explicit position ids (SharedLLM gives whole chunks one position). A rotated pair is
+# RoPE with explicit position ids (SharedLLM adds one id per chunk, Step 4). A rotated pair is
 # the two halves (x_i, x_{i+hd/2}), as HF checkpoints store wq/wk (Meta's: interleaved pairs).
 def rope_cos_sin(pos, head_dim, theta, scaling=None):
     # pos: integer tensor (...) -> cos, sin: (..., head_dim) each, fp32
@@ -395,8 +395,8 @@ class SharedLLM(nn.Module):
     def encode_nodes(self, rows, nodes):
         # Step 3 (Sec. 3.2): each preserved node, as a sequence of its own, through the lower
         # model's M layers; each layer's K (rotated) and V kept at tree.kept_positions: lower_kv
-        # says it, lower_kv_kept runs it. A level's nodes have one KV count and one length (but
-        # for split noise): they go through together, about ENCODE_TOKENS tokens a call.
+        # says it, lower_kv_kept runs it. A level's nodes have one KV count and about one length
+        # (padded to the longest): they go through together, about ENCODE_TOKENS tokens a call.
         # rows: (B*n, C); nodes: per row, its preserved Nodes -> per layer (K, V), each
         # (B*n*kv_per_chunk, Hkv, hd), row by row
         low, n_lower = self.lower_model(), self.scfg.n_lower
@@ -418,13 +418,12 @@ class SharedLLM(nn.Module):
         return [(torch.cat(ks)[order], torch.cat(vs)[order]) for ks, vs in kept]
 
     def chunk_level_kv(self, kv, nodes, B, n):
-        # Step 4 (Eq. 2): each chunk's kept K/V side by side, the keys rotated to their chunk id i,
-        # every X_D query to the queries' id n (chunk_positions: the paper's i and n, or random
-        # ids in training). Ours: a key keeps the rotation by its position p inside its node
-        # (lower_kv), and rotating by p then by i is rotating by i + p. So a key sits at i + p: one
-        # chunk step looks like one token step, chunk i's key at p + 1 like chunk i + 1's at p (at
-        # 8 chunks, 12 of the default tree's 52 positions i + p are two chunks'), and most keys sit
-        # past n, where Eq. 2 puts the queries after every chunk. Read with keys at i alone, the
+        # Step 4 (Eq. 2): each chunk's kept K/V side by side; the keys of chunk i rotated by its
+        # chunk id i, every X_D query by the queries' id n (chunk_positions: the paper's i and n;
+        # random ids in training, ours). Ours too: a key arrives already rotated by its place p in
+        # its node (lower_kv), and two rotations add, so it sits at i + p. A chunk step then looks
+        # like a token step: at 8 chunks of train.py's tree (C 128), 12 of the 52 positions i + p
+        # are two chunks', and 110 of the 128 keys sit past n. Read with keys at i alone, the
         # default checkpoint finds the same passkeys at 4-256 chunks and reads text 0.02-0.17%
         # worse (docs/experiments.md).
         # kv: per layer (K, V), each (B*n*kv_per_chunk, Hkv, hd), row by row
