@@ -479,14 +479,17 @@ def lower_kv(llama, tokens, n_layers, kept_at):
     # self-attention reads, at kept_at (R, n_kept): (R, Hkv, n_kept, hd) each, one gather.
     # What runs is lower_kv_kept, the same with less work.
     rope = llama.rope(torch.arange(tokens.shape[1], device=tokens.device))
-    at = kept_at[:, None, :, None]                                       # (R, 1, n_kept, 1)
     x, out = llama.tok_embeddings(tokens), []                            # (R, L, dim)
     for i, block in enumerate(llama.layers[:n_layers]):
         k, v = block.attention.kv(block.attention_norm(x), *rope)        # (R, Hkv, L, hd) each
-        out.append(tuple(t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3])) for t in (k, v)))
+        out.append((at_kept_heads(k, kept_at), at_kept_heads(v, kept_at)))
         if i < n_layers - 1:   # nothing reads the top block's output
             x = block(x, rope)
     return out
+
+
+def at_kept_heads(t, kept_at):   # (R, Hkv, L, hd) -> (R, Hkv, n_kept, hd): the kept positions
+    return t.gather(2, kept_at[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
 
 
 def lower_kv_kept(llama, tokens, n_layers, kept_at):
@@ -497,19 +500,17 @@ def lower_kv_kept(llama, tokens, n_layers, kept_at):
     L = tokens.shape[1]
     rope = llama.rope(torch.arange(L, device=tokens.device))
     rope_kept = tuple(t[kept_at][:, None] for t in rope)                 # (R, 1, n_kept, hd)
-    at = kept_at[:, None, :, None]                                       # (R, 1, n_kept, 1)
-    take = lambda t: t.gather(2, at.expand(-1, t.shape[1], -1, t.shape[3]))   # (R,Hkv,L,hd)->kept
     at_kept = lambda t: t.gather(1, kept_at[:, :, None].expand(-1, -1, t.shape[2]))  # (R,L,d)->kept
     x, out = llama.tok_embeddings(tokens), []
     for i, block in enumerate(llama.layers[:n_layers - 1]):   # every block but the top one
         att, h = block.attention, block.attention_norm(x)   # Block.forward, written out: its K, V
         k, v = att.kv(h, *rope)                                          # (R, Hkv, L, hd) each
-        out.append((take(k), take(v)))
+        out.append((at_kept_heads(k, kept_at), at_kept_heads(v, kept_at)))
         if i < n_layers - 2:
             x = x + att.wo(merge_heads(attention(att.query(h, rope), k, v, causal=True)))
         else:   # the block below the top: its output is read at the kept tokens only
             q = att.query(at_kept(h), rope_kept)                         # (R, Hq, n_kept, hd)
-            sees = at >= torch.arange(L, device=x.device)                 # (R, 1, n_kept, L)
+            sees = kept_at[:, None, :, None] >= torch.arange(L, device=x.device)  # R,1,n_kept,L
             x = at_kept(x) + att.wo(merge_heads(attention(q, k, v, causal=False, mask=sees)))
         x = x + block.feed_forward(block.ffn_norm(x))
     top = llama.layers[n_layers - 1]   # (with M = 1, x is still every token's)
