@@ -419,13 +419,11 @@ class SharedLLM(nn.Module):
 
     def chunk_level_kv(self, kv, nodes, B, n):
         # Step 4 (Eq. 2): each chunk's kept K/V side by side; the keys of chunk i rotated by its
-        # chunk id i, every X_D query by the queries' id n (chunk_positions: the paper's i and n;
-        # random ids in training, ours). Ours too: a key arrives already rotated by its place p in
-        # its node (lower_kv), and two rotations add, so it sits at i + p. A chunk step then looks
-        # like a token step: at 8 chunks of train.py's tree (C 128), 12 of the 52 positions i + p
-        # are two chunks', and 110 of the 128 keys sit past n. Read with keys at i alone, the
-        # default checkpoint finds the same passkeys at 4-256 chunks and reads text 0.02-0.17%
-        # worse (docs/experiments.md).
+        # chunk id i, every X_D query by one id n (chunk_positions), not by its place in X_D.
+        # Ours, two things beyond Eq. 2. Training draws random ids (chunk_positions). And a key
+        # arrives already rotated by its place p in its node (lower_kv); two rotations add, so
+        # it sits at i + p, not at i. Read with keys at i alone, the default checkpoint finds
+        # the same passkeys (docs/experiments.md, "The core as the paper says it").
         # kv: per layer (K, V), each (B*n*kv_per_chunk, Hkv, hd), row by row
         kv_per_chunk = sum(nd.n_kept for nd in nodes[0])     # the same for every chunk
         k_pos, q_pos = chunk_positions(self.scfg, B, n, kv[0][0].device, self.training)
