@@ -16,6 +16,7 @@ or flag.
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -251,3 +252,48 @@ def memory_estimate(m, dt, dev, batch_size, block_size, n_chunks, ema_decay,
                activations=act, compressed_kv=kv)
     print("memory estimate: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in est.items())
           + f"; total {sum(est.values()) / 2**30:.1f} GiB on {dev}")
+
+
+# ops that launch no kernel: views, metadata, allocation, and a `to` that converts nothing
+NO_KERNEL = {"aten::" + op for op in (
+    "view reshape _reshape_alias transpose t expand as_strided detach detach_ unsqueeze squeeze "
+    "permute slice select empty empty_strided empty_like resolve_conj resolve_neg alias unflatten "
+    "_unsafe_view lift_fresh split chunk narrow unbind flatten result_type view_as expand_as "
+    "contiguous item is_nonzero to lift _has_compatible_shallow_copy_type").split()}
+# ops after which a GPU's host waits for the device: a value read (item, int, bool), an output
+# whose size depends on the values, and a tensor turned into a list (tolist, counted by hand)
+HOST_SYNC = {"aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_dim",
+             "aten::bincount", "aten::masked_select", "tolist"}
+
+
+@contextmanager
+def counted(label):
+    # the kernel launches and host syncs of the code inside, by torch.profiler, printed. A launch:
+    # an op with no op below it that does compute; a _foreach_ op is one (a GPU runs its tensors
+    # in one kernel; a CPU's profile lists them one by one, not counted). tolist, which makes no
+    # op on a CPU tensor, is counted while the profiler runs. A CPU tensor's value read is
+    # counted too: the numbers are upper bounds.
+    from torch.profiler import profile, record_function
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(t):
+        with record_function("tolist"):
+            return tolist(t)
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with profile() as prof:
+            yield
+    finally:
+        torch.Tensor.tolist = tolist
+    launches = syncs = 0
+    for e in prof.events():
+        syncs += e.name in HOST_SYNC
+        above = e.cpu_parent
+        while above is not None and not above.name.startswith("aten::_foreach_"):
+            above = above.cpu_parent
+        if above is not None or not e.name.startswith("aten::") or e.name in NO_KERNEL:
+            continue
+        if e.name.startswith("aten::_foreach_") or not any(
+                c.name.startswith("aten::") for c in e.cpu_children):
+            launches += 1
+    print(f"{label}: {launches:,} kernel launches, {syncs} host syncs (torch.profiler)")

@@ -26,9 +26,9 @@ import data
 from model import SharedConfig
 from checkpoint import (restore_training, rng_states, save_checkpoint, set_trainable,
                         sharedllm_to_train)
-from configurator import (auto_device, check_ranges, config_of, memory_estimate, package_path,
-                          package_paths, parse_counts, parse_overrides, parse_schedule, peak_flops,
-                          scheduled, step_flops)
+from configurator import (auto_device, check_ranges, config_of, counted, memory_estimate,
+                          package_path, package_paths, parse_counts, parse_overrides,
+                          parse_schedule, peak_flops, scheduled, step_flops)
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value (or by a config/*.py file).
@@ -96,6 +96,8 @@ compile = False         # torch.compile the model (not on CPU)
 light_ckpt = True       # from a pretrained model: checkpoints hold what trains + the base's sha256
 eval_only = False       # evaluate (init_from=resume) and stop
 stop_iter = 0           # stop (checkpointed) here, the schedule unchanged; 0 = run to max_iters
+profile_iter = 0        # count this iteration's kernel launches and host syncs, and its batch's
+                        # compress alone (torch.profiler; docs/efficiency.md); 0 = off
 # -----------------------------------------------------------------------------
 
 
@@ -164,18 +166,23 @@ def main():
         # SharedLLM: this step's context length (chunks) and compression (beta), from the curricula
         n = scheduled(chunk_pairs, iter_num, n_chunks)
         raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # beta: no weight depends on it
-        for micro in range(gradient_accumulation_steps):
-            # SharedLLM: a batch is X_C (n chunks), X_D with its targets, and the question's length
-            kind, (ctx, idx, tgt, ql) = next_batch(rng, iter_num, tok, splits, n, dev)
-            last_micro = micro == gradient_accumulation_steps - 1
-            sync = model.no_sync() if ddp and not last_micro else nullcontext()
-            with sync, autocast:
-                _, loss = model(ctx, idx, tgt, ql)   # SharedLLM: compress X_C, then read X_D
-            nonfinite |= ~torch.isfinite(loss.detach())   # on the device: read at the next log line
-            loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
-            loss_n[kind] = loss_n.get(kind, 0) + 1
-            scaler.scale(loss / gradient_accumulation_steps).backward()
-        update_weights(optimizer, scaler, params, ema)
+        profiling = iter_num == profile_iter and master
+        with counted(f"iteration {iter_num} ({n} chunks)") if profiling else nullcontext():
+            for micro in range(gradient_accumulation_steps):
+                # SharedLLM: a batch is X_C (n chunks), X_D with its targets, the question's length
+                kind, (ctx, idx, tgt, ql) = next_batch(rng, iter_num, tok, splits, n, dev)
+                last_micro = micro == gradient_accumulation_steps - 1
+                sync = model.no_sync() if ddp and not last_micro else nullcontext()
+                with sync, autocast:
+                    _, loss = model(ctx, idx, tgt, ql)   # SharedLLM: compress X_C, then read X_D
+                nonfinite |= ~torch.isfinite(loss.detach())   # on the device: read at a log line
+                loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
+                loss_n[kind] = loss_n.get(kind, 0) + 1
+                scaler.scale(loss / gradient_accumulation_steps).backward()
+            update_weights(optimizer, scaler, params, ema)
+        if profiling and ctx is not None:   # the same batch's compress alone, once more
+            with counted(f"iteration {iter_num}'s compress ({kind}, {n} chunks)"), autocast:
+                raw.compress(ctx, idx, ql)
         iter_num += 1
         # the next batch (iteration lm_from) is the first that can be text: the average starts
         # again, as passkey-only weights in it read text worse (docs/experiments.md); 0: never
@@ -336,7 +343,7 @@ def check_settings(dev, dev_type, dt):
         passkey_frac=(0, 1), context_dropout=(0, 1), eval_iters=(1, inf), final_eval_iters=(0, inf),
         batch_size=(1, inf), gradient_accumulation_steps=(1, inf), max_iters=(1, inf),
         eval_interval=(1, inf), log_interval=(1, inf), warmup_iters=(0, inf), sigma=(0, inf),
-        n_chunks=(1, inf), block_size=(1, inf), stop_iter=(0, inf)))
+        n_chunks=(1, inf), block_size=(1, inf), stop_iter=(0, inf), profile_iter=(0, inf)))
     if task not in ("lm", "passkey", "mixed"):
         raise SystemExit(f"--task={task}: expected lm, passkey or mixed")
     if needles not in ("passkey", "mix"):
