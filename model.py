@@ -463,8 +463,8 @@ def chunk_positions(scfg, B, n, device, training):
                              f"max_chunk_id is {scfg.max_chunk_id}")
         u = torch.rand(B, 1, device=device)
         span = (n * ((scfg.max_chunk_id + 1) / n) ** u).long().clamp(n, scfg.max_chunk_id)  # (B,1)
-        draw = torch.rand(B, scfg.max_chunk_id, device=device)
-        draw[torch.arange(scfg.max_chunk_id, device=device)[None] >= span] = 2.0   # never drawn
+        draw = torch.rand(B, scfg.max_chunk_id, device=device)   # ids at or past span: never drawn
+        draw.masked_fill_(torch.arange(scfg.max_chunk_id, device=device)[None] >= span, 2.0)
         ids = draw.argsort(dim=1)[:, :n].sort(dim=1).values                        # (B, n)
         return ids, ids[:, -1] + 1
     ids = torch.arange(n + 1, device=device)
@@ -564,18 +564,23 @@ def lexical_policy(rows, idx, question_len):
         h_q = h_q.roll(1, 1) * 1000003 + idx + 1
         ctx_k = h_seq.masked_fill(at_seq < k - 1, -1)                        # (B, N): -1 no run
         q_k = h_q.masked_fill(past_q | (at_q < k - 1), -2)                    # (B, T)
-        ids = torch.unique(torch.cat([ctx_k, q_k], 1), return_inverse=True)[1]   # one id a run
-        ctx_ids, q_ids = ids[:, :N], ids[:, N:]
-        count = torch.bincount(ctx_ids.flatten(), minlength=int(ids.max()) + 1)   # each run, in X_C
-        in_q = torch.zeros_like(count, dtype=torch.bool).index_fill_(0, q_ids.flatten(), True)
-        rarity = torch.log(N / count[ctx_ids].float())                          # (B, N)
+        # each context run's count in X_C and whether the question holds it, by binary search in
+        # the sorted runs: shapes known in advance, so a GPU never waits to learn a size
+        in_ctx, in_q = ctx_k.flatten().sort().values, q_k.flatten().sort().values
+        count = (torch.searchsorted(in_ctx, ctx_k, right=True)
+                 - torch.searchsorted(in_ctx, ctx_k))                           # (B, N)
+        asked = in_q[torch.searchsorted(in_q, ctx_k).clamp(max=in_q.numel() - 1)] == ctx_k
+        rarity = torch.log(N / count.float())                                   # (B, N)
         ends_q = ctx_k == q_k.gather(1, (q_len[:, None] - 1).clamp(min=0))      # the question's end
-        score += (in_q[ctx_ids].float() + ends_q.float()) * rarity
+        score += (asked.float() + ends_q.float()) * rarity
     W = (q_len // 4).clamp(min=1)[:, None]                                      # (B, 1)
-    evidence = torch.zeros(B, N, device=dev)   # the scores of [p - W, p), added in one order
-    for j in range(1, int(W.max()) + 1):       # (a cumsum's rounding would break exact ties)
+    # the scores of [p - W, p), added in one order (a cumsum's rounding would break exact ties),
+    # up to the largest W, read from the question lengths on the host: no wait for the device
+    evidence = torch.zeros(B, N, device=dev)
+    for j in range(1, max(1, int(question_len.max()) // 4) + 1):
         evidence += F.pad(score, (j, 0))[:, :N] * (j <= W)
     evidence = evidence.view(R, C)           # argmax: the first position of the most evidence
+    # the one wait for the device in a compress: tree.search chooses on the host
     target = torch.where(evidence.amax(1) > 0, evidence.argmax(1), C - 1).tolist()
 
     def select(lefts, rights):   # each tree's two children, (start, end) each

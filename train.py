@@ -249,7 +249,8 @@ def make_optimizer(raw, params, ckpt, rng, rank, dev_type, dt):
     # AdamW (a loss scaler for float16 only: small gradients must not underflow), its state when
     # resuming, and the moving average of what trains (fp32; None when off) -> optimizer, scaler,
     # the iteration to start at, the average, each trained parameter's names
-    optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(0.9, beta2), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(0.9, beta2), weight_decay=0.0,
+                                  foreach=True)   # a few kernels for all tensors, also on a CPU
     scaler = torch.amp.GradScaler("cuda", enabled=dt == "float16")
     iter_num = 0
     if ckpt is not None:
@@ -270,14 +271,13 @@ def update_weights(optimizer, scaler, params, ema):
     # one optimizer step on the true gradients (unscaled: a no-op without float16), clipped at
     # norm 1.0 (a constant: no recipe changes it); the moving average moves toward the new weights
     scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    if ema is not None:
+    if ema is not None:   # one call for every tensor (a GPU: a few kernels, not one per tensor)
         with torch.no_grad():
-            for e, p in zip(ema, params):
-                e.lerp_(p, 1 - ema_decay)
+            torch._foreach_lerp_(ema, params, 1 - ema_decay)
 
 
 def evaluate_and_log(raw, params, ema, tok, splits, counts, lm_eval_counts, iters, iter_num, dev,
