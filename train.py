@@ -166,7 +166,7 @@ def main():
         # SharedLLM: this step's context length (chunks) and compression (beta), from the curricula
         n = scheduled(chunk_pairs, iter_num, n_chunks)
         raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # beta: no weight depends on it
-        profiling = iter_num == profile_iter and master
+        profiling = 0 < profile_iter == iter_num and master
         with counted(f"iteration {iter_num} ({n} chunks)") if profiling else nullcontext():
             for micro in range(gradient_accumulation_steps):
                 # SharedLLM: a batch is X_C (n chunks), X_D with its targets, the question's length
