@@ -269,10 +269,10 @@ HOST_SYNC = {"aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "at
 @contextmanager
 def counted(label):
     # the kernel launches and host syncs of the code inside, by torch.profiler, printed. A launch:
-    # an op with no op below it that does compute; a _foreach_ op is one (a GPU runs its tensors
-    # in one kernel; a CPU's profile lists them one by one, not counted). tolist, which makes no
-    # op on a CPU tensor, is counted while the profiler runs. A CPU tensor's value read is
-    # counted too: the numbers are upper bounds.
+    # an op with no op below it that does compute; a _foreach_ op counts once (a GPU runs all its
+    # tensors in a few kernels; a CPU's profile lists them one by one). tolist, which makes no op
+    # on a CPU tensor, is counted while the profiler runs. A CPU tensor's value read counts too,
+    # though a GPU's host would not wait for it: the syncs are an upper bound.
     from torch.profiler import profile, record_function
     tolist = torch.Tensor.tolist
 
@@ -280,9 +280,10 @@ def counted(label):
         with record_function("tolist"):
             return tolist(t)
     torch.Tensor.tolist = counted_tolist
+    counts = {}
     try:
         with profile() as prof:
-            yield
+            yield counts   # filled in on the way out: launches, syncs
     finally:
         torch.Tensor.tolist = tolist
     launches = syncs = 0
@@ -296,6 +297,7 @@ def counted(label):
         if e.name.startswith("aten::_foreach_") or not any(
                 c.name.startswith("aten::") for c in e.cpu_children):
             launches += 1
+    counts.update(launches=launches, syncs=syncs)
     print(f"{label}: {launches:,} kernel launches, {syncs} host syncs (torch.profiler)")
 
 

@@ -182,3 +182,20 @@ def test_the_search_reads_a_question_in_its_own_words(tokens):
         holder = next(nd for nd in chunk if nd.start <= (at + s) % C < nd.end)
         assert holder.level == 3, (depth, holder)             # the value's first token in a leaf
     assert sum(kept) >= 15, kept                              # RULER's value in the finest nodes
+
+
+def test_a_compress_waits_for_the_device_once():
+    # A GPU's host waits when it reads a value back (item, tolist) or an output's size depends on the values (unique,
+    # bincount, nonzero, a boolean index). One compress with the search reads the trees' targets back once (tree.search
+    # chooses on the host) and reads its host question lengths twice, in training (random chunk ids) and at evaluation.
+    # Counted by torch.profiler as train.py --profile_iter does; before issue 57 it was 28.
+    from configurator import counted
+    rng = __import__("random").Random(3)
+    ctx, idx, tgt, ql = data.collate([data.passkey_sample(data_tok(), rng, 3, 64) for _ in range(4)], data_tok())
+    s = build("lexical", seed=0)
+    s.scfg.chunk_pos = "random"
+    for training in (True, False):
+        s.train(training)
+        with counted("compress") as counts:
+            s.compress(ctx, idx, ql)
+        assert counts["syncs"] == 3, counts

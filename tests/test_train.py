@@ -417,6 +417,18 @@ def test_mfu_is_against_the_peak_measured_once_at_start_up(tmp_path, capsys):
     assert len({r["peak_flops"] for r in logged}) == 1
 
 
+def test_profile_iter_counts_that_step_and_its_compress(tmp_path, capsys):
+    # --profile_iter=N prints iteration N's kernel launches and host syncs, then its batch's compress alone; 0: nothing
+    train_in_process(MICRO + ["--max_iters=2", "--eval_interval=2", "--task=passkey", "--profile_iter=1",
+                              f"--out_dir={tmp_path}"], tmp_path)
+    lines = re.findall(r"^iteration (1.*): ([\d,]+) kernel launches, (\d+) host syncs", capsys.readouterr().out, re.M)
+    assert [name for name, _, _ in lines] == ["1 (2 chunks)", "1's compress (passkey, 2 chunks)"], lines
+    step, compress = (int(n.replace(",", "")) for _, n, _ in lines)
+    assert step > compress > 100 and [s for _, _, s in lines] == ["3", "3"]
+    train_in_process(MICRO + ["--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path / 'b'}"], tmp_path)
+    assert "kernel launches" not in capsys.readouterr().out
+
+
 def train_in_process(args, tmp_path):
     # train.main() with these flags, in this process (a subprocess would cost a torch import)
     import train
