@@ -192,7 +192,8 @@ def main():
                     e.copy_(p)
         if iter_num % log_interval == 0 and master:
             checked_at = check_finite(nonfinite, checked_at, iter_num)
-            losses = {k: (loss_sum[k] / loss_n[k]).item() for k in loss_sum}   # since the last line
+            losses = {k: (loss_sum[k] / loss_n[k]).item()   # since the last line, in one order
+                      for k in sorted(loss_sum, key=("passkey", "needles", "lm").index)}
             loss_sum, loss_n = {}, {}
             last_line = log_step(log_path, iter_num, losses, lr, raw, n, idx.shape[1], world, peak,
                                  start, last_line)

@@ -248,6 +248,14 @@ def test_resume_equals_uninterrupted_run(tmp_path, capsys):
     assert not os.path.exists(os.path.join(full, "ckpt.pt.tmp"))
 
 
+def test_a_step_line_lists_its_losses_in_one_order(tmp_path, capsys):
+    # a log line averages every batch kind since the last one: passkey first, then text, whichever came first
+    train_in_process(MICRO + ["--task=mixed", "--lm_from=0", "--passkey_frac=0.5", "--max_iters=8",
+                              "--log_interval=4", "--eval_interval=8", f"--out_dir={tmp_path}"], tmp_path)
+    lines = re.findall(r"^iter \d+: loss (.*?), lr", capsys.readouterr().out, re.M)
+    assert len(lines) == 2 and all(re.fullmatch(r"[\d.]+ \(passkey\) [\d.]+ \(lm\)", x) for x in lines), lines
+
+
 def test_checkpoint_holds_the_moving_average(tmp_path):
     # after one step, "model" = d * w0 + (1 - d) * w1 and "raw" = w1 (w0: the same run at learning rate 0)
     common = MICRO + ["--max_iters=1", "--ema_decay=0.9"]
