@@ -159,7 +159,19 @@ def test_the_attention_picture_marks_every_node_that_holds_a_mention_of_the_key(
 def workshop_commands():
     text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
     blocks = re.findall(r"```\n(.*?)```", text, re.S)
-    return [shlex.split(line.split("  #")[0]) for b in blocks for line in b.splitlines() if line.startswith("python ")]
+    return [shlex.split(line) for b in blocks for line in b.splitlines() if line.startswith("python ")]
+
+
+def test_workshop_commands_run_in_any_shell():
+    # Windows cmd passes a trailing "# comment" on as arguments, and the default PowerShell (5.1) refuses "&&": no
+    # command a participant copies has either; every file an exercise writes goes into the ignored out-workshop/
+    text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
+    lines = [line for b in re.findall(r"(?:```|~~~)\n(.*?)(?:```|~~~)", text, re.S) for line in b.splitlines()
+             if line.startswith(("python ", "pip ", "py "))]
+    assert len(lines) >= 15 and not [line for line in lines if "#" in line or "&&" in line]
+    written = [a.split("=", 1)[1] for line in lines for a in line.split()
+               if a.startswith(("--plot=", "--attention=", "--out="))]
+    assert written and all(w.startswith("out-") for w in written), written
 
 
 def test_every_workshop_command_runs_with_a_micro_config(micro_run, tmp_path, monkeypatch, capsys):
@@ -211,7 +223,7 @@ def test_the_workshop_installs_everything_at_setup_with_pinned_versions():
     text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
     setup = text[text.index("## Setup"):text.index("## Exercises")]
     pins = re.findall(r"^gguf==\S+", open(os.path.join(ROOT, "requirements-test.txt")).read(), re.M)
-    assert pins and f"pip install {pins[0]} && pip install --no-deps -r requirements-real.txt" in setup
+    assert pins and f"pip install {pins[0]}\npip install --no-deps -r requirements-real.txt" in setup
     blocks = re.findall(r"```\n(.*?)```", text[text.index("## Exercises"):], re.S)
     assert not any("pip install" in b for b in blocks)                   # nothing left to install in the exercises
     assert re.findall(r"pip install gguf(?:==\S+)?", text) == [f"pip install {pins[0]}"]
