@@ -260,7 +260,8 @@ NO_KERNEL = {"aten::" + op for op in (
     "view reshape _reshape_alias transpose t expand as_strided detach detach_ unsqueeze squeeze "
     "permute slice select empty empty_strided empty_like resolve_conj resolve_neg alias unflatten "
     "_unsafe_view lift_fresh split chunk narrow unbind flatten result_type view_as expand_as "
-    "contiguous item _local_scalar_dense is_nonzero to lift _has_compatible_shallow_copy_type").split()}
+    "contiguous item _local_scalar_dense is_nonzero to lift "
+    "_has_compatible_shallow_copy_type").split()}
 # ops after which a GPU's host waits for the device: a value read (item, int, bool), an output
 # whose size depends on the values, and a tensor turned into a list (tolist, counted by hand)
 HOST_SYNC = {"aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_dim",

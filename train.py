@@ -180,9 +180,8 @@ def main():
                 loss_n[kind] = loss_n.get(kind, 0) + 1
                 scaler.scale(loss / gradient_accumulation_steps).backward()
             update_weights(optimizer, scaler, params, ema)
-        if profiling and ctx is not None:   # the same batch's compress alone, once more
-            with counted(f"iteration {iter_num}'s compress ({kind}, {n} chunks)"), autocast:
-                raw.compress(ctx, idx, ql)
+        if profiling and ctx is not None:
+            count_compress(raw, ctx, idx, ql, autocast, iter_num, kind, n)
         iter_num += 1
         # the next batch (iteration lm_from) is the first that can be text: the average starts
         # again, as passkey-only weights in it read text worse (docs/experiments.md); 0: never
@@ -192,8 +191,7 @@ def main():
                     e.copy_(p)
         if iter_num % log_interval == 0 and master:
             checked_at = check_finite(nonfinite, checked_at, iter_num)
-            losses = {k: (loss_sum[k] / loss_n[k]).item()   # since the last line, in one order
-                      for k in sorted(loss_sum, key=("passkey", "needles", "lm").index)}
+            losses = {k: (loss_sum[k] / loss_n[k]).item() for k in loss_sum}   # since the last line
             loss_sum, loss_n = {}, {}
             last_line = log_step(log_path, iter_num, losses, lr, raw, n, idx.shape[1], world, peak,
                                  start, last_line)
@@ -386,6 +384,16 @@ def next_batch(rng, iter_num, tok, splits, n, dev):
     return kind, (ctx, idx, tgt, ql)
 
 
+def count_compress(raw, ctx, idx, ql, autocast, iter_num, kind, n):
+    # --profile_iter: the batch's compress alone, once more; the random streams (chunk ids, split
+    # noise) are put back, so the run trains on as it would have without the count
+    state = random.getstate()
+    label = f"iteration {iter_num}'s compress ({kind}, {n} chunks)"
+    with torch.random.fork_rng(), counted(label), autocast:
+        raw.compress(ctx, idx, ql)
+    random.setstate(state)
+
+
 def get_lr(it):   # linear warmup, then cosine down to min_lr at max_iters
     if it < warmup_iters:
         return learning_rate * (it + 1) / warmup_iters
@@ -469,8 +477,9 @@ def log_step(log_path, iter_num, losses, lr, raw, n, T, world, peak, start, last
     dt_ = (now - last_line) / log_interval   # seconds per iteration, evaluations excluded
     toks = steps * world * (n * chunk_size + T)
     mfu = step_flops(raw, n, T) * steps / dt_ / peak
-    print(f"iter {iter_num}: loss " + " ".join(
-        f"{v:.4f}" + (f" ({k})" if len(losses) > 1 else "") for k, v in losses.items())
+    ordered = sorted(losses.items(), key=lambda kv: ("passkey", "needles", "lm").index(kv[0]))
+    print(f"iter {iter_num}: loss " + " ".join(   # passkey first, whichever batch came first
+        f"{v:.4f}" + (f" ({k})" if len(losses) > 1 else "") for k, v in ordered)
         + f", lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, {toks / dt_:,.0f} tok/s, mfu "
         f"{100 * mfu:.1f}% (of {peak / 1e12:.2f} TFLOP/s), chunks {n}, "
         f"{(now - start) / 60:.1f} min", flush=True)
