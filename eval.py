@@ -424,8 +424,9 @@ def run_search(model, tok, ns, C, g, dev):
         cells, model.scfg = [], type(trained)(**{**trained.__dict__, "policy": policy})
         for task in tasks:
             for n in ns:
-                found = dict(leaf=0.0, between=0.0, coarse=0.0)
+                per_depth = []   # shares per depth, averaged as the passkey task's search line does
                 for d in ds:
+                    found = dict(leaf=0.0, between=0.0, coarse=0.0)
                     for ctx, idx, ql, _, mentions in ruler_haystacks(tok, task, n, C, d, band(g, ds), g["samples"],
                                                                      g["seed"]):
                         rows = ctx.flatten(0, 1).to(dev)
@@ -437,10 +438,12 @@ def run_search(model, tok, ns, C, g, dev):
                             select = model.search_policy(rows, idx.to(dev), ql)
                         nodes = tree.search(n, C, trained.height, trained.beta, select)
                         for k, v in placement(nodes, mentions, C).items():
-                            found[k] += v / (len(ds) * g["samples"])
-                cells.append(found)
-                res.append(dict(search=name, task=task, n_chunks=n, context_tokens=n * C, **found))
-        print(f"{name:<10}" + "".join(f"{100 * f['leaf']:15.1f} / {100 * f['coarse']:5.1f}%" for f in cells))
+                            found[k] += v
+                    per_depth.append({k: v / g["samples"] for k, v in found.items()})
+                cells.append({k: 100 * sum(f[k] for f in per_depth) / len(ds) for k in found})   # in %
+                res.append(dict(search=name, task=task, n_chunks=n, context_tokens=n * C,
+                                **{k: v / 100 for k, v in cells[-1].items()}))
+        print(f"{name:<10}" + "".join(f"{f['leaf']:15.1f} / {f['coarse']:5.1f}%" for f in cells))
     model.scfg = trained
     return res
 
