@@ -440,10 +440,12 @@ def run_search(model, tok, ns, C, g, dev):
                         for k, v in placement(nodes, mentions, C).items():
                             found[k] += v
                     per_depth.append({k: v / g["samples"] for k, v in found.items()})
-                cells.append({k: 100 * sum(f[k] for f in per_depth) / len(ds) for k in found})   # in %
+                cells.append(per_depth)
                 res.append(dict(search=name, task=task, n_chunks=n, context_tokens=n * C,
-                                **{k: v / 100 for k, v in cells[-1].items()}))
-        print(f"{name:<10}" + "".join(f"{f['leaf']:15.1f} / {f['coarse']:5.1f}%" for f in cells))
+                                **{k: sum(f[k] for f in per_depth) / len(ds) for k in found}))
+        mean = lambda per_depth, k: 100 * sum(f[k] for f in per_depth) / len(ds)   # run_passkey's
+        print(f"{name:<10}" + "".join(f"{mean(c, 'leaf'):15.1f} / {mean(c, 'coarse'):5.1f}%"
+                                      for c in cells))
     model.scfg = trained
     return res
 

@@ -246,11 +246,16 @@ def test_a_broken_or_empty_log_is_named(tmp_path, capsys):
             plots.read_log(str(tmp_path))
 
 
+def workshop_recipe():   # config/workshop.py's settings
+    cfg = {}
+    exec(open(os.path.join(ROOT, "config", "workshop.py")).read(), {}, cfg)
+    return cfg
+
+
 def test_the_recipe_is_the_one_workshop_md_describes():
     # WORKSHOP.md's numbers were measured with config/workshop.py: its description of the run names the same search,
     # iterations, chunk curriculum, beta start and average as the recipe file
-    cfg = {}
-    exec(open(os.path.join(ROOT, "config", "workshop.py")).read(), {}, cfg)
+    cfg = workshop_recipe()
     text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
     text = " ".join(text[text.index("## What the short run"):text.index("```", text.index("## What the short run"))].split())
     steps = [tuple(map(int, p.split(":"))) for p in cfg["chunk_schedule"].split(",")]       # [(chunks, until), ...]
@@ -274,8 +279,7 @@ def test_the_exercises_directions_hold_on_the_reference_checkpoint(monkeypatch, 
     import dataclasses
     from checkpoint import load_sharedllm
     model, tok, trained_with = load_sharedllm(REFERENCE)
-    recipe = {}
-    exec(open(os.path.join(ROOT, "config", "workshop.py")).read(), {}, recipe)
+    recipe = workshop_recipe()
     assert {k: trained_with[k] for k in recipe} == recipe and trained_with["seed"] == 1337
     trained, C = model.scfg, model.scfg.chunk_size
 
