@@ -2,15 +2,15 @@
 Measure a SharedLLM the way the paper does, with the protocol printed next to every number.
 
   python eval.py --task=ppl         # perplexity with vs without the compressed context, at several
-                                      chunk counts
+                                    # chunk counts
   python eval.py --task=passkey     # exact match over context lengths x key depths, with an ASCII
-                                      heatmap
+                                    # heatmap
   python eval.py --task=ruler       # RULER's five needle tasks (Hsieh et al., 2024): generated
-                                      answers, RULER's score
+                                    # answers, RULER's score
   python eval.py --task=search      # where each search (ours, the paper's, right, an oracle) leaves
-                                      the asked values
+                                    # the asked values
   python eval.py --task=ablations   # the paper's Table 5 rows, as inference-time changes to one
-                                      checkpoint
+                                    # checkpoint
   python eval.py --task=passkey --policy=right --out=right.json
                                     # any ablation flag, any task; JSON out
 

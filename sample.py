@@ -4,14 +4,13 @@ chunks of C tokens, each chunk's tree is built and compressed once by the lower 
 prefilled, and the answer is decoded token by token with the KV cache, streamed as it comes.
 
   python sample.py                                       # after python train.py: a fresh passkey
-                                                           haystack
+                                                         # haystack
   python sample.py --n_chunks=16 --show_tree=True        # a longer haystack, and what each
-                                                           tree kept
+                                                         # tree kept
   python sample.py --plot=arch.png --attention=attn.png  # pictures: the method on this haystack,
-                                                           where the answer looks
+                                                         # where the answer looks
   python sample.py --context=FILE:notes.txt --prompt="Q: ..." --max_new_tokens=64
-  python sample.py --init_from=/path/to/Llama-2-7b-hf --n_lower=4 --chunk_size=1024
-      --context=FILE:book.txt ...
+  python sample.py --init_from=/path/to/llama --n_lower=4 --chunk_size=1024 --context=FILE:book.txt
 """
 import os
 import random
