@@ -531,6 +531,21 @@ def test_profile_iter_counts_that_step_and_its_compress(tmp_path, capsys):
     assert "kernel launches" not in capsys.readouterr().out
 
 
+def test_compile_compiles_each_upper_block_and_not_the_tree_search(monkeypatch):
+    # torch.compile of the whole SharedLLM traced the host tree search too, guarded on its values
+    # and recompiled at every batch until its limit (4.4 minutes for 10 iterations of the
+    # default); --compile=True compiles each upper block in place: the step still calls the
+    # eager SharedLLM, and the checkpoint's names stay the same
+    import train
+    s = M.SharedLLM.from_llama(M.Llama(preset("micro")), n_lower=1, chunk_size=32)
+    names = list(s.state_dict())
+    monkeypatch.setattr(train, "compile", True)
+    model, _ = train.place_model(s, False, "cpu", "cpu", "float32", False, None)
+    assert model is s and list(s.state_dict()) == names
+    assert all(blk._compiled_call_impl is not None for blk in s.upper.layers)
+    assert s._compiled_call_impl is None
+
+
 def train_in_process(args, tmp_path):
     # train.main() with these flags, in this process (a subprocess would cost a torch import)
     import train
