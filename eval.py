@@ -624,8 +624,8 @@ def run_ablations(model, tok, splits, ns, C, T, K, g, dev, trained_on):
     return res
 
 
-def main(g):
-    dev, dt = auto_device(g["device"], g["dtype"])
+def check_flags(g):
+    # every flag that needs no model, checked before one is loaded: a bad one costs no wait
     inf = float("inf")
     check_ranges(g, dict(samples=(1, inf), batch_size=(1, inf), block_size=(0, inf),
                          max_windows=(1, inf), score_last=(0, inf), window=(-1, inf)))
@@ -650,6 +650,11 @@ def main(g):
                          f"expected some of {','.join(data.RULER_TASKS)}")
     if g["chunk_pos"] not in ("", "plain", "random", "off"):
         raise SystemExit(f"eval.py: --chunk_pos={g['chunk_pos']}: expected plain, random or off")
+
+
+def main(g):
+    dev, dt = auto_device(g["device"], g["dtype"])
+    check_flags(g)
     shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "n_lower", "chunk_size",
                                 "chunk_pos") if g[k]}
     torch.manual_seed(g["seed"])
