@@ -10,9 +10,6 @@ split-and-search (2) with the search policy inside it (1), encoding (3), chunk p
 Beyond the paper, in every recipe: the search matches the question's words in the context
 (lexical_policy), and training draws random chunk ids (chunk_positions).
 """
-import copy
-import math
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +23,6 @@ try:
 except ImportError:
     flash_attn_func = None
 ENCODE_TOKENS = 4096   # step 3 encodes the preserved nodes in calls of about this many tokens
-_announced = set()     # the attention backends already named in the log
 
 # ------------------------------------------------------------------------------------------------
 # LLaMA
@@ -43,8 +39,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 4096     # the base model's window (informational: RoPE takes any position)
     head_dim: int = 0           # 0: dim // n_heads
-    tie_embeddings: bool = False   # the output head IS the embedding (SmolLM2, Llama-3.2 1B/3B)
-    rope_scaling: dict = None   # Llama-3.1/3.2's "llama3" RoPE scaling (load_llama.py); None: off
+    tie_embeddings: bool = False   # the output head IS the embedding (SmolLM2)
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.dim // self.n_heads
@@ -66,24 +61,12 @@ class RMSNorm(nn.Module):
 
 # RoPE with explicit position ids (SharedLLM adds one id per chunk, Step 4). A rotated pair is
 # the two halves (x_i, x_{i+hd/2}), as HF checkpoints store wq/wk (Meta's: interleaved pairs).
-def rope_cos_sin(pos, head_dim, theta, scaling=None):
+def rope_cos_sin(pos, head_dim, theta):
     # pos: integer tensor (...) -> cos, sin: (..., head_dim) each, fp32
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim))
-    if scaling:
-        inv_freq = llama3_scaled(inv_freq, scaling)
     angles = pos.float()[..., None] * inv_freq            # (..., head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)          # (..., head_dim), one angle per pair
     return angles.cos(), angles.sin()
-
-
-def llama3_scaled(inv_freq, s):
-    # Llama-3.1's long-context RoPE: wavelengths short next to the original window stay, long ones
-    # slow down by `factor`, those in between blend linearly in (window / wavelength)
-    window, factor = s["original_max_position_embeddings"], s["factor"]
-    lo, hi = s["low_freq_factor"], s["high_freq_factor"]
-    wavelen = 2 * math.pi / inv_freq
-    blend = ((window / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)   # 0: long wavelength, 1: short
-    return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
 def apply_rope(x, cos, sin):
@@ -93,26 +76,17 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def attention(q, k, v, causal, backend=None, mask=None):
+def attention(q, k, v, causal, mask=None):
     # softmax(q k^T / sqrt(hd)) v (tests/test_llama.py writes it out). q: (B, Hq, Tq, hd); k, v:
     # (B, Hkv, Tk, hd), Hkv dividing Hq (grouped-query). causal with Tq < Tk: the queries are the
     # LAST Tq positions. mask: (B, 1, Tq, Tk), True where a query may read a key (lower_kv_kept).
-    # backend: "flash" (flash-attn: CUDA, half precision) or "sdpa"; None: flash where it can.
-    if backend is None:
-        half = q.dtype in (torch.float16, torch.bfloat16)
-        backend = "flash" if flash_attn_func is not None and q.is_cuda and half else "sdpa"
-    if mask is not None:   # flash-attn takes no mask of this kind
-        assert not causal, "attention: a mask or causal, not both"
-        backend = "sdpa"
-    if backend not in _announced:
-        _announced.add(backend)
-        why = " (flash-attn not installed)" if backend == "sdpa" and not flash_attn_func else ""
-        print(f"attention backend: {backend}{why}")
-    Tq, Tk = q.shape[2], k.shape[2]
-    if backend == "flash":  # wants (B, T, H, hd), aligns causal masks bottom-right, does GQA
+    # flash-attn where it runs (installed, CUDA, half precision, no mask), else PyTorch's SDPA.
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if flash_attn_func is not None and q.is_cuda and half and mask is None:
+        # wants (B, T, H, hd), aligns causal masks bottom-right, does GQA
         y = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
         return y.transpose(1, 2)
-    assert backend == "sdpa", f"unknown attention backend {backend!r}"
+    Tq, Tk = q.shape[2], k.shape[2]
     if causal and Tq != Tk:  # bottom-right aligned: query i sits at key position i + Tk - Tq
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
@@ -212,13 +186,13 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:   # one tensor in two places: it trains, saves and loads as one
             self.output.weight = self.tok_embeddings.weight
-        self.checkpointing = False   # activation checkpointing in training (train.py sets it)
+        self.checkpointing = False   # activation checkpointing in training
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def rope(self, pos):
-        return rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        return rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
 
     def forward(self, idx, targets=None, start_pos=0, caches=None, memory=None, last=0):
         # idx: (B, T) token ids at positions start_pos.. (X_D starts at 0); memory: a compressed
@@ -259,32 +233,19 @@ class SharedConfig:
     sigma: float = 0.0      # split noise in training, a fraction of l (Table 6: l/5 = 0.2; tree.py)
     chunk_pos: str = "random"   # Eq. 2: "random" (ours), "plain" (paper), "off"; chunk_positions
     max_chunk_id: int = 1024   # "random": the largest id drawn in training
-    lower_weights: str = "shared"   # the upper's own bottom M layers, or a frozen "copy"
     keep: str = "last"      # which token of each stride window is kept: "last" (ours) or "first"
 
-    def __post_init__(self):   # a bad setting fails here, once, not in the middle of a run
+    def __post_init__(self):   # a setting the model refuses, named in one line
         for name, allowed in [("policy", ("lexical", "vector", "right")), ("keep", ("last",
-                              "first")), ("chunk_pos", ("random", "plain", "off")),
-                              ("lower_weights", ("shared", "copy"))]:
+                              "first")), ("chunk_pos", ("random", "plain", "off"))]:
             if getattr(self, name) not in allowed:
-                raise ValueError(f"SharedConfig.{name} = {getattr(self, name)!r}; "
-                                 f"expected one of {allowed}")
-        for name in ("n_lower", "chunk_size", "height", "beta", "max_chunk_id"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SharedConfig.{name} = {getattr(self, name):g}; "
-                                 "expected at least 1")
-        if not self.sigma >= 0:
-            raise ValueError(f"SharedConfig.sigma = {self.sigma}; expected 0 (off) or more")
-        try:
-            tree.search(1, self.chunk_size, self.height, self.beta)
-        except AssertionError as e:
-            raise ValueError(f"SharedConfig: chunk_size {self.chunk_size}, height {self.height}, "
-                             f"beta {self.beta:g}: {e}") from None
-        if round(self.chunk_size / self.beta) < self.height + 1:   # else more than C / beta kept
-            raise ValueError(f"SharedConfig.beta = {self.beta:g}: a tree of height {self.height} "
-                             f"keeps at least one KV in each of its {self.height + 1} nodes, so a "
-                             f"chunk of {self.chunk_size} tokens allows beta up to "
-                             f"{self.chunk_size // (self.height + 1)}")
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
+        if not (self.n_lower >= 1 and self.height >= 1 and self.sigma >= 0
+                and self.chunk_size >> self.height >= 1
+                and 1 <= self.beta <= self.chunk_size / (self.height + 1)):
+            # (a tree of height h keeps at least one KV in each of its h + 1 nodes)
+            raise ValueError(f"{self}: needs M >= 1, h >= 1, sigma >= 0, C >= 2^h and "
+                             f"1 <= beta <= C / (h + 1)")
 
 
 @dataclass
@@ -299,14 +260,10 @@ class SharedLLM(nn.Module):
     def __init__(self, llama, scfg):
         super().__init__()
         cfg, m = llama.cfg, scfg.n_lower
-        if not 1 <= m <= cfg.n_layers:
+        if m > cfg.n_layers:
             raise ValueError(f"n_lower (M) = {m}; the model has {cfg.n_layers} layers")
+        # the lower model is the upper's own bottom M layers (the same weights): one checkpoint
         self.scfg, self.upper = scfg, llama
-        self.lower = None   # "shared": the lower model is the upper's bottom M layers
-        if scfg.lower_weights == "copy":   # a frozen copy: embedding, bottom M blocks, norm
-            self.lower = copy.deepcopy(llama)
-            self.lower.layers, self.lower.output = self.lower.layers[:m], None
-            self.lower.requires_grad_(False)
         p = llama.output.weight
         for blk in llama.layers[:m]:   # the bottom M layers cross-attend: layer i reads lower i
             blk.cross_norm = RMSNorm(cfg.dim, cfg.norm_eps).to(p.device, p.dtype)
@@ -322,15 +279,6 @@ class SharedLLM(nn.Module):
     def from_llama(cls, llama, **shared_config):
         # both models from one checkpoint: SharedLLM.from_llama(load_llama(dir), n_lower=4, ...)
         return cls(llama, SharedConfig(**shared_config))
-
-    def lower_model(self):   # the model whose bottom M layers compress
-        return self.lower if self.lower is not None else self.upper
-
-    def lower_parameters(self):
-        # what the compressor runs: the embedding and the bottom M blocks (not their cross parts)
-        return [p for n, p in self.lower_model().named_parameters() if n.startswith("tok_emb")
-                or (n.startswith("layers.") and int(n.split(".")[1]) < self.scfg.n_lower
-                    and ".cross_" not in n)]
 
     def forward(self, context, idx, targets=None, question_len=None):
         # context: (B, n, C) or None; idx, targets: (B, T) -> logits (B, T, vocab), loss
@@ -349,17 +297,15 @@ class SharedLLM(nn.Module):
         rows = context.reshape(B * n, C)                  # one context tree per (batch item, chunk)
         if question_len is not None:   # on the host: the policies choose from it there
             question_len = torch.as_tensor(question_len).cpu()
-        frozen = not any(p.requires_grad for p in self.lower_parameters())
-        with torch.no_grad() if frozen else nullcontext():   # a frozen compressor: no graph
-            # 1. the query-aware policy pi, which tree.search calls at each level
-            select = self.search_policy(rows, idx, question_len)
-            # 2. split-and-search (Eq. 1, Algorithm 1): the preserved nodes, KVs kept by each
-            sigma = self.scfg.sigma if self.training else 0.0
-            nodes = tree.search(B * n, C, self.scfg.height, self.scfg.beta, select, sigma)
-            # 3. each preserved node through the lower model: its kept K/V of every layer
-            kv = self.encode_nodes(rows, nodes)
-            # 4. chunk-level position ids (Eq. 2), for the upper model's CrossAttention
-            return self.chunk_level_kv(kv, nodes, B, n)
+        # 1. the query-aware policy pi, which tree.search calls at each level
+        select = self.search_policy(rows, idx, question_len)
+        # 2. split-and-search (Eq. 1, Algorithm 1): the preserved nodes, KVs kept by each
+        sigma = self.scfg.sigma if self.training else 0.0
+        nodes = tree.search(B * n, C, self.scfg.height, self.scfg.beta, select, sigma)
+        # 3. each preserved node through the lower model: its kept K/V of every layer
+        kv = self.encode_nodes(rows, nodes)
+        # 4. chunk-level position ids (Eq. 2), for the upper model's CrossAttention
+        return self.chunk_level_kv(kv, nodes, B, n)
 
     def search_policy(self, rows, idx, question_len):
         # Step 1 (Sec. 3.2) -> select(lefts, rights) for tree.search, or None: the right child
@@ -375,7 +321,7 @@ class SharedLLM(nn.Module):
         # Step 1 as the paper states it (an ablation here): select the child whose hidden vector
         # (lower model) is closer in cosine to the question's (upper model); its h: hidden_vectors.
         # A tree of a sample with no question selects the right child.
-        low, n = self.lower_model(), rows.shape[0] // idx.shape[0]
+        low, n = self.upper, rows.shape[0] // idx.shape[0]   # (lower: its bottom layers)
         no_question = (question_len == 0).repeat_interleave(n).tolist()
         with torch.no_grad():   # a discrete choice: no gradient flows through it
             ends = question_len.clamp(min=1).to(idx.device)         # the question: idx[b, :end]
@@ -399,7 +345,7 @@ class SharedLLM(nn.Module):
         # (padded to the longest): they go through together, about ENCODE_TOKENS tokens a call.
         # rows: (B*n, C); nodes: per row, its preserved Nodes -> per layer (K, V), each
         # (B*n*kv_per_chunk, Hkv, hd), row by row
-        low, n_lower = self.lower_model(), self.scfg.n_lower
+        low, n_lower = self.upper, self.scfg.n_lower   # the lower model: its bottom M layers
         kept, encoded = [([], []) for _ in range(n_lower)], []   # per layer: each call's K, V
         for level in range(1, self.scfg.height + 1):
             at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
@@ -422,8 +368,7 @@ class SharedLLM(nn.Module):
         # chunk id i, every X_D query by one id n (chunk_positions), not by its place in X_D.
         # Ours, two things beyond Eq. 2. Training draws random ids (chunk_positions). And a key
         # arrives already rotated by its place p in its node (lower_kv); two rotations add, so
-        # it sits at i + p, not at i. Read with keys at i alone, the default checkpoint finds
-        # the same passkeys (docs/experiments.md, "The core as the paper says it").
+        # it sits at i + p, not at i: Eq. 2's "queries last" holds for the ids, not the angles.
         # kv: per layer (K, V), each (B*n*kv_per_chunk, Hkv, hd), row by row
         kv_per_chunk = sum(nd.n_kept for nd in nodes[0])     # the same for every chunk
         k_pos, q_pos = chunk_positions(self.scfg, B, n, kv[0][0].device, self.training)
@@ -491,10 +436,9 @@ def at_kept_heads(t, kept_at):   # (R, Hkv, L, hd) -> (R, Hkv, n_kept, hd): the 
 
 
 def lower_kv_kept(llama, tokens, n_layers, kept_at):
-    # lower_kv, with less work (ours, for speed; tests/test_sharedllm.py tests them equal). Only
-    # the kept K/V leave the top block, so it projects them at the kept tokens alone, and the
-    # block below it runs its queries and its FFN at those tokens only. The tiny default's run
-    # takes 5 min 6 s with it and 7 min 49 s with lower_kv (docs/experiments.md).
+    # lower_kv, with less work (ours, for speed: the default run takes a third less time; tested
+    # equal). Only the kept K/V leave the top block, so it projects them at the kept tokens
+    # alone, and the block below it runs its queries and its FFN at those tokens only.
     L = tokens.shape[1]
     rope = llama.rope(torch.arange(L, device=tokens.device))
     rope_kept = tuple(t[kept_at][:, None] for t in rope)                 # (R, 1, n_kept, hd)

@@ -1,15 +1,12 @@
 """
-Pictures of SharedLLM at work, as PNG files, drawn from the objects a run really produced
-(matplotlib, optional: pip install -r requirements-plots.txt). Each function takes plain numbers,
-never a model, and returns the path it wrote, or None with a line saying how to get the picture when
-matplotlib is missing (the scripts then print the text form instead).
+Pictures of SharedLLM at work, as PNG files, drawn from what a run really produced (matplotlib,
+optional: pip install -r requirements-plots.txt; without it each script prints the text form).
+Each function takes plain numbers, never a model, and returns the path it wrote, or None.
 
-  architecture(...)     sample.py --plot=arch.png: lower model, one context tree with its kept KVs,
-                        cross-attention
-  attention(...)        sample.py --attention=attn.png: where the answer's first token looks, per
-                        layer and head
+  architecture(...)     sample.py --plot=arch.png: a context tree with its kept KVs, the two models
+  attention(...)        sample.py --attention=attn.png: where the answer's first token looks
   passkey_heatmap(...)  eval.py --task=passkey: exact match over context length x key depth
-  curves(...)           python plots.py out: training curves from the run's own out/log.jsonl
+  curves(...)           python plots.py out: training curves from the run's out/log.jsonl
 """
 import json
 import os
@@ -22,54 +19,44 @@ INSTALL = "pip install -r requirements-plots.txt"
 LEVEL_COLORS = ["#9e9e9e", "#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974"]
 
 
-def pyplot():
-    # matplotlib's pyplot drawing to files (no screen needed), or None with the install line printed
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"(no picture: matplotlib is not installed; {INSTALL})")
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+def drawing(draw):
+    # draw(plt, *args) -> a figure, written to `path` (matplotlib, drawing to files: no screen); or,
+    # without matplotlib, a line saying how to get the picture -> the path written, or None
+    def drawn(path, *args):
+        try:
+            import matplotlib
+        except ImportError:
+            return print(f"(no picture: matplotlib is not installed; {INSTALL})")
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig = draw(plt, *args)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        print(f"picture: {path}")
+        return path
+    return drawn
 
 
-def save(plt, fig, path):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    print(f"picture: {path}")
-    return path
-
-
-def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, inject, kvs_per_chunk,
-                 keys=()):
-    # nodes: the preserved tree.Nodes of chunk `chunk` (of n_chunks); inject: the upper layers with
-    # cross-attention; keys: (start, end) of each mention of the passkey inside that chunk (the
-    # needle names it twice)
-    plt = pyplot()
-    if plt is None:
-        return None
+@drawing
+def architecture(plt, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, kvs_per_chunk, keys):
+    # nodes: the preserved tree.Nodes of chunk `chunk` (of n_chunks); keys: (start, end) of each
+    # mention of the passkey inside that chunk (the needle names it twice)
     from matplotlib.patches import FancyArrowPatch, Rectangle
     fig, ax = plt.subplots(figsize=(13.7, 6.5))
-    # x < 0: the tree's level names, left of its rows
-    ax.set_xlim(-0.7, 13), ax.set_ylim(0, 6.5), ax.axis("off")
+    ax.set_xlim(-0.7, 13), ax.set_ylim(0, 6.5), ax.axis("off")   # x < 0: the levels' names
     height = max(nd.level for nd in nodes)
-    # X_C: the chunks, the drawn one highlighted
-    shown = min(n_chunks, 16)
-    for i in range(shown):
+    for i in range(min(n_chunks, 16)):   # X_C: the chunks, the drawn one highlighted
         c = i if n_chunks <= 16 or i < 15 else n_chunks - 1
         ax.add_patch(Rectangle((0.3 + i * 0.42, 5.9), 0.38, 0.3,
                                fc="#f2c14e" if c == chunk else "#e8e8e8", ec="k", lw=0.5))
     ax.text(0.3, 6.3, f"X_C: {n_chunks} chunks of C = {C} tokens" +
             (" (first 15 and the last shown)" if n_chunks > 16 else ""), fontsize=10)
-    # the context tree of one chunk: a row per level, preserved nodes filled, their kept
-    # KVs as ticks
-    x0, w = 0.3, 6.4
+    x0, w = 0.3, 6.4   # the context tree: a row per level, preserved nodes filled, kept KVs ticks
     ax.text(x0, 5.45, f"chunk {chunk}: its context tree (height {height}); filled = preserved, "
             "dashed = expanded, ticks = kept KVs", fontsize=10)
     ax.add_patch(Rectangle((x0, 4.9), w, 0.3, fc="none", ec=LEVEL_COLORS[0], lw=1.2))
-    lo, hi = 0, C   # the node being expanded: drawn dashed, its preserved sibling filled
+    selected = tree.path(nodes, C)   # the node being split at each level: drawn dashed
     for nd in sorted(nodes, key=lambda nd: (nd.level, nd.start)):
         y = 4.9 - 0.75 * nd.level
         a, b = x0 + w * nd.start / C, x0 + w * nd.end / C
@@ -82,7 +69,7 @@ def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, injec
         label = f"{len(nd)} tokens: {nd.n_kept} KVs" if b - a > 1.3 else f"{len(nd)}: {nd.n_kept}"
         ax.text((a + b) / 2, y - 0.05, label, fontsize=7, ha="center", va="top")
         if nd.level < height:
-            lo, hi = (nd.end, hi) if nd.start == lo else (lo, nd.start)
+            lo, hi = selected[nd.level]
             ax.add_patch(Rectangle((x0 + w * lo / C, y), w * (hi - lo) / C, 0.3, fc="none", ec="k",
                                    ls="--", lw=0.8))
     # left of the rows, so that no name sits beside the K/V box on the right
@@ -94,8 +81,7 @@ def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, injec
         ax.add_patch(Rectangle((a, 4.9 - 0.75 * height - 0.15), max(b - a, 0.03),
                                0.75 * height + 0.45, fc="red", alpha=0.25))
         ax.text(a, 4.9 - 0.75 * height - 0.4, "the key", color="red", fontsize=9)
-    # the lower model under the tree, the compressed KV bank, the upper model with its
-    # cross-attention layers
+    # the lower model under the tree, the compressed KVs, the upper model's layers
     ax.add_patch(Rectangle((0.3, 0.5), 6.4, 0.8, fc="#dbe9f6", ec="k"))
     ax.text(3.5, 0.9, f"LOWER model: the bottom M = {n_lower} layers of the same LLaMA;\n"
             "each preserved node is encoded on its own and keeps K/V at its ticks", ha="center",
@@ -109,7 +95,7 @@ def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, injec
     top, step = 6.0, min(0.5, 5.6 / n_layers)
     for i in range(n_layers):
         y = top - (n_layers - i) * step
-        cross = i in inject
+        cross = i < n_lower
         ax.add_patch(Rectangle((10.0, y), 2.2, step * 0.8, fc="#cfe8cf" if cross else "#eeeeee",
                                ec="k", lw=0.5))
         ax.text(11.1, y + step * 0.4, f"layer {i + 1}" + (": self + cross-attn" if cross else ""),
@@ -120,17 +106,15 @@ def architecture(path, nodes, chunk, n_chunks, C, keep, n_lower, n_layers, injec
     ax.text(11.1, top + 0.15, "UPPER model over X_D", ha="center", fontsize=10)
     ax.text(11.1, top - n_layers * step - 0.35, "keys of chunk i at position i,\n"
             "queries of X_D at n", ha="center", va="top", fontsize=8)
-    return save(plt, fig, path)
+    return fig
 
 
-def attention(path, weights, kvs_per_chunk, key_chunk=None, key_nodes=(), title=""):
+@drawing
+def attention(plt, weights, kvs_per_chunk, key_chunk=None, key_nodes=(), title=""):
     # weights: per cross-attention layer, a (heads, n*S) list of lists: the answer's first token
     # over every compressed KV; key_chunk: the chunk of the key's first mention (shaded); key_nodes:
     # (label, KV indices) of every node that holds a mention of the key (the needle names it twice),
     # each marked in its own colour and listed with its weight per head
-    plt = pyplot()
-    if plt is None:
-        return None
     import numpy as np
     fig, axes = plt.subplots(len(weights), 1, figsize=(13, 1.2 + 1.5 * len(weights)),
                              squeeze=False, layout="constrained")
@@ -164,14 +148,12 @@ def attention(path, weights, kvs_per_chunk, key_chunk=None, key_nodes=(), title=
                            "chunk); shaded: the chunk of the key's first mention; triangles: the "
                            "KVs of every node that holds a mention of the key")
     fig.suptitle(title, fontsize=10)
-    return save(plt, fig, path)
+    return fig
 
 
-def passkey_heatmap(path, grid, ns, ds, C):
+@drawing
+def passkey_heatmap(plt, grid, ns, ds, C):
     # grid[(n, d)]: exact match with n chunks and the key at depth d
-    plt = pyplot()
-    if plt is None:
-        return None
     fig, ax = plt.subplots(figsize=(1.5 + 1.1 * len(ns), 1 + 0.5 * len(ds)))
     im = ax.imshow([[grid[n, d] for n in ns] for d in ds], vmin=0, vmax=1, cmap="viridis",
                    aspect="auto")
@@ -182,40 +164,13 @@ def passkey_heatmap(path, grid, ns, ds, C):
     ax.set_xticks(range(len(ns)), [f"{n * C:,}" for n in ns]), ax.set_yticks(range(len(ds)), ds)
     ax.set_xlabel("context tokens"), ax.set_ylabel("key depth"), fig.colorbar(
         im, label="exact match")
-    return save(plt, fig, path)
+    return fig
 
 
-def read_log(path):
-    # out_dir/log.jsonl (or the folder holding it) -> (step records, eval records)
-    path = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
-    if not os.path.isfile(path):
-        raise SystemExit(f"{path}: no training log there (train.py writes out_dir/log.jsonl)")
-    lines = [line for line in open(path) if line.strip()]
-    records = []
-    for i, line in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            # a broken last line is a run stopped while writing it: the rest is good
-            if i < len(lines) - 1:
-                raise SystemExit(f"{path} line {i + 1}: not JSON ({e}); "
-                                 "is this a train.py log?") from None
-            print(f"note: {path}: the last line is cut short (the run stopped while writing it) "
-                  "and is left out")
-    steps, evals = [r for r in records if isinstance(r, dict) and "loss" in r], \
-        [r for r in records if isinstance(r, dict) and "eval" in r]
-    if not steps and not evals:
-        raise SystemExit(f"{path}: no training records in it (train.py writes a 'loss' line per "
-                         "log_interval and an 'eval' line per evaluation)")
-    return steps, evals
-
-
-def curves(path, steps, evals):
+@drawing
+def curves(plt, steps, evals):
     # training loss per batch kind, passkey accuracy and the LM perplexity ratio per context length,
     # against iteration
-    plt = pyplot()
-    if plt is None:
-        return None
     metrics = sorted({k for r in evals for k in r["eval"]})
     panels = [("training loss (mean per log interval)",
                {k: [(r["iter"], r["loss"][k]) for r in steps if k in r["loss"]]
@@ -233,15 +188,12 @@ def curves(path, steps, evals):
         ax.set_title(label, fontsize=10), ax.set_xlabel("iteration"), ax.legend(fontsize=7)
         if log:
             ax.set_yscale("log")
-    return save(plt, fig, path)
+    return fig
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
-        raise SystemExit("usage: python plots.py OUT_DIR   "
-                         "(draws OUT_DIR/curves.png from OUT_DIR/log.jsonl)")
-    steps, evals = read_log(sys.argv[1])
+if __name__ == "__main__":   # python plots.py OUT_DIR: OUT_DIR/curves.png from its log.jsonl
+    records = [json.loads(line) for line in open(os.path.join(sys.argv[1], "log.jsonl"))]
+    evals = [r for r in records if "eval" in r]
     for r in evals:   # the text form, always
         print(f"iter {r['iter']:6d}: " + ", ".join(f"{k} {v:.4f}" for k, v in r["eval"].items()))
-    folder = sys.argv[1] if os.path.isdir(sys.argv[1]) else os.path.dirname(sys.argv[1])
-    curves(os.path.join(folder, "curves.png"), steps, evals)
+    curves(os.path.join(sys.argv[1], "curves.png"), [r for r in records if "loss" in r], evals)

@@ -3,14 +3,14 @@ Train SharedLLM, nanoGPT style. The default trains a tiny SharedLLM from scratch
 minutes, with no download, on passkey retrieval mixed with language modeling on the Python
 standard library's own source:
 
-  python train.py                                  # the default run (see README for its numbers)
+  python train.py                                  # the default run (README: its numbers)
   python train.py --help                           # every setting, with its comment
   python train.py --n_chunks=1 --max_iters=200     # any setting: --name=value
   python train.py config/llama2_7b_lm.py --init_from=/path/to/Llama-2-7b-hf   # a recipe, then flags
   torchrun --nproc_per_node=2 train.py             # several GPUs (or CPU processes over gloo)
 
-Read top to bottom: the settings, then main(): setup, model, data and the training loop, with the
-lines that make it SharedLLM rather than a plain LLaMA marked "SharedLLM:".
+Read top to bottom: the settings, the model, the data, the evaluation, then the training loop.
+The lines that make it SharedLLM rather than a plain LLaMA are marked "SharedLLM:".
 """
 import json
 import math
@@ -18,17 +18,18 @@ import os
 import random
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
+from dataclasses import asdict
 
+import numpy as np
 import torch
 
 import data
-from model import SharedConfig
-from checkpoint import (restore_training, rng_states, save_checkpoint, set_trainable,
-                        sharedllm_to_train)
-from configurator import (auto_device, check_ranges, config_of, counted, memory_estimate,
-                          package_path, package_paths, parse_counts, parse_overrides,
-                          parse_schedule, peak_flops, scheduled, step_flops)
+from configurator import (config_of, package_path, parse_list, parse_overrides,
+                          parse_schedule, scheduled)
+from load_llama import (PRESETS, load_llama, load_tokenizer, read_checkpoint,
+                        sharedllm_from_checkpoint)
+from model import Llama, LlamaConfig, SharedConfig, SharedLLM
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value (or by a config/*.py file).
@@ -37,14 +38,14 @@ out_dir = "out"
 init_from = "scratch"   # "scratch" | "resume" (from out_dir) | a LLaMA folder (HF layout) | a .gguf
 eval_interval = 500     # evaluate and checkpoint every this many iterations
 log_interval = 100
-eval_iters = 8          # batches per eval setting
+eval_iters = 8          # batches per eval setting (128 haystacks at batch 16: +-2 points at 95%)
 eval_chunks = "4,16"    # chunk counts evaluated every eval_interval
 final_eval_chunks = "4,16,64,256"   # ... and at the end (32K-token contexts); "" = eval_chunks
 # data
 task = "mixed"          # "lm" | "passkey" | "mixed": passkeys + language modeling (ours: questions
                         # with their answer in X_C, in place of the paper's SFT data)
 data_dir = ""           # .txt folder, glob, "stdlib" (= ""), "pydoc", or several joined by commas
-tokenizer = "byte"      # "byte" | "gpt2" | a tokenizer file (a LLaMA folder brings its own)
+tokenizer = "byte"      # "byte" | a tokenizer file, for scratch (a LLaMA folder brings its own)
 n_chunks = 8            # n: context chunks per training sample at the end (X_C = n x C tokens)
 block_size = 64         # T: running-text tokens (X_D); a size, for a CPU in minutes
 # model: the preset for scratch; SharedLLM's settings always (model.SharedConfig)
@@ -55,12 +56,15 @@ height = 3              # tree height h (paper: 3)
 beta = 8.0              # compression: C / KVs kept per chunk (paper: 8); need not be whole
 sigma = 0.0             # split noise, a fraction of a node's length l (paper: l/5 LM, l/10 SFT);
                         # ours: 0, the paper's "w/o noise" ablation, as the tiny model trains
-train = "all"           # what trains: "all" | "cross" | "cross+top" | "upper" (set_trainable);
-                        # ours: "all" from scratch (the paper trains cross-attention, + top for LM)
+train = "all"           # what trains: "all" | "cross" (cross-attention) | "cross+top" (and the top
+                        # N-M layers: the paper's LM recipe); ours: "all" from scratch
 policy = "lexical"      # step 1's search, ours in every recipe (model.lexical_policy); ablations:
                         # "vector" (the paper's), "right"
 chunk_pos = "random"    # step 4's chunk position ids: "random" in training (ours, every recipe's:
                         # every distance seen) | "plain" (the paper's) | "off"
+keep = "last"           # "last" (ours) | "first" token of each stride window (model.SharedConfig)
+max_chunk_id = 1024     # chunk_pos "random": the largest id drawn in training (4x the default's
+                        # longest evaluation, 256 chunks)
 # the recipe, ours: curricula, the batch mix, the moving average of the weights
 chunk_schedule = "1:700,2:1200,4:2000"  # chunks: 1 until iter 700, 2 until 1200, ..., then n;
                                         # ours: retrieval is found on short contexts first
@@ -68,9 +72,6 @@ beta_schedule = "1:300,2:450,4:600"     # beta: 1 until iter 300, 2 until 450, .
                                         # ours: the key is found before it is compressed
 lm_from = 1500          # "mixed": text batches join here (ours: earlier, they stall the passkey)
 passkey_frac = 0.67     # "mixed": the share of passkey batches, each batch one kind (ours)
-pad_passkeys = True     # pad passkey batches to block_size, as text (ours; False: question+answer)
-needles = "passkey"     # "passkey" | "mix": the passkey or, 2 in 3 samples, a fact of another
-                        # template asked in other words (ours, for the retrieval recipes: data.py)
 context_dropout = 0.25  # share of text batches without X_C (ours: the upper model also works
                         # alone, and the ratio with and without the context is a fair one)
 ema_decay = 0.998       # evaluate and save a moving average of the weights; 0 = off (ours)
@@ -81,322 +82,125 @@ learning_rate = 3e-3    # ours: a small model from scratch
 min_lr = 3e-4           # the cosine schedule's floor (ours)
 warmup_iters = 50       # ours: 2% of the run (paper: 1% LM, 0.1% SFT)
 beta2 = 0.99            # ours: a short run (paper: 0.999)
-# system
-device = "auto"         # "auto" = cuda, else cpu ("mps" only when named)
-dtype = "auto"          # "auto" = bfloat16 autocast on CUDA where supported, else float32
-seed = 1337
-# --- a first reading can skip the rest: control and scale-up ---
-final_eval_iters = 0    # eval_iters for the last eval; 0 = eval_iters (128 haystacks: +-2 points)
-keep = "last"           # "last" (ours) | "first" token of each stride window (model.SharedConfig)
-max_chunk_id = 1024     # chunk_pos "random" (ours): the largest id drawn in training (4x the
-                        # default's longest evaluation, 256 chunks)
 gradient_accumulation_steps = 1
-activation_checkpointing = False
-compile = False         # torch.compile each upper block (the default run: 4.4 minutes, not 5.2, on
-                        # a 2-core CPU; its floats differ: docs/efficiency.md)
-light_ckpt = True       # from a pretrained model: checkpoints hold what trains + the base's sha256
-eval_only = False       # evaluate (init_from=resume) and stop
-stop_iter = 0           # stop (checkpointed) here, the schedule unchanged; 0 = run to max_iters
-profile_iter = 0        # count this iteration's kernel launches and host syncs, and its batch's
-                        # compress alone (torch.profiler; docs/efficiency.md); 0 = off
+# system
+device = "auto"         # "auto" = cuda, else cpu
+dtype = "auto"          # "auto" = bfloat16 autocast for a pretrained model on CUDA, else float32
+seed = 1337
+compile = False         # torch.compile each upper block (the tree search stays eager)
+activation_checkpointing = False   # recompute each upper block in backward: memory for time
 # -----------------------------------------------------------------------------
-
-
 config = config_of(globals())
-if __name__ == "__main__":
-    parse_overrides(sys.argv[1:], config, __file__)   # config files, then --name=value flags
-    globals().update(config)
+parse_overrides(sys.argv[1:], config, __file__)   # recipe files, then --name=value flags
+globals().update(config)
 
+# setup: processes (torchrun: one per GPU, or CPU processes over gloo), device, random streams
+ddp = int(os.environ.get("RANK", -1)) != -1
+rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+master = rank == 0
+dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+if ddp:
+    torch.distributed.init_process_group("nccl" if dev == "cuda" else "gloo")
+    if dev == "cuda":
+        dev = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(dev)
+dev_type = "cuda" if dev.startswith("cuda") else dev
+ckpt = read_checkpoint(os.path.join(out_dir, "ckpt.pt")) if init_from == "resume" else None
+if ckpt:   # what this run's checkpoints say it started from
+    config["init_from"] = ckpt["config"]["init_from"]
+pretrained = config["init_from"] != "scratch"
+dt = dtype if dtype != "auto" else ("bfloat16" if pretrained and dev_type == "cuda" else "float32")
+autocast = nullcontext() if dt == "float32" else torch.autocast(dev_type, getattr(torch, dt))
+torch.manual_seed(seed + rank)
+rng = random.Random(seed + rank)   # the data stream
+random.seed(seed + rank)           # the tree's split noise
+if master:
+    print(f"device {dev}, dtype {dt}, {world} process(es)")
+    os.makedirs(out_dir, exist_ok=True)
 
-def main():
-    # setup: processes, device, settings, random streams
-    ddp, rank, world, dev, dt = setup_processes()
-    master, dev_type = rank == 0, "cuda" if dev.startswith("cuda") else dev
-    check_settings(dev, dev_type, dt)
-    autocast = nullcontext() if dt == "float32" else torch.autocast(dev_type, getattr(torch, dt))
-    torch.manual_seed(seed + rank)
-    rng = random.Random(seed + rank)   # the data stream
-    random.seed(seed + rank)           # the tree's split noise
-    if master:
-        print(f"device {dev}, dtype {dt}{' (autocast)' if dt != 'float32' else ''}, "
-              f"{world} process(es)")
-        os.makedirs(out_dir, exist_ok=True)
-    # the model: SharedLLM's two models from one LLaMA (new, pretrained, or this run's to resume)
-    tok, raw, ckpt, base, model_args = sharedllm_to_train(
-        package_path(init_from), shared_config(), getattr(torch, dt), out_dir, preset, tokenizer,
-        light_ckpt, activation_checkpointing)
-    model, params = place_model(raw, ddp, dev, dev_type, dt, master, base)
-    # data and schedules, every length checked against the data now, not at iteration 2,500
-    chunk_pairs, beta_pairs, eval_counts, splits, lm_eval_counts = load_data(tok, ddp, master)
-    # the optimizer, its state when resuming, the moving average of what trains, the run's log
-    optimizer, scaler, iter_num, ema, names = make_optimizer(raw, params, ckpt, rng, rank,
-                                                             dev_type, dt)
-    log_path = start_log(ckpt, iter_num, master)
-    # a non-finite loss stops the run, read back only at log lines and checkpoints (a host sync
-    # per step stalls a GPU); the weights it corrupted are never saved
-    nonfinite, checked_at = torch.zeros((), dtype=torch.bool, device=dev), iter_num
-    loss_sum, loss_n = {}, {}   # per batch kind, summed on the device between log lines
-    peak = peak_flops(dev_type, getattr(torch, dt)) if master else 1.0   # the step line's MFU
-    start = last_line = time.time()
+# the model: SharedLLM's two models from one LLaMA, new, pretrained, or this run's to resume
+shared = dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy,
+              sigma=sigma, chunk_pos=chunk_pos, max_chunk_id=max_chunk_id, keep=keep)
+base = None   # a pretrained model's path: checkpoints then hold only what trains, and this
+if init_from == "scratch":
+    tok = load_tokenizer(tokenizer)
+    vocab = max(PRESETS[preset]["vocab_size"], tok.vocab_size)
+    raw = SharedLLM(Llama(LlamaConfig(**{**PRESETS[preset], "vocab_size": vocab})),
+                    SharedConfig(**shared))
+elif init_from == "resume":   # the checkpoint's model (its settings, not this run's flags)
+    raw, tok, base = (sharedllm_from_checkpoint(ckpt, getattr(torch, dt)),
+                      load_tokenizer(ckpt["tokenizer"]), ckpt.get("base"))
+else:   # a LLaMA folder or .gguf: both models from this one checkpoint
+    base = os.path.abspath(package_path(init_from))
+    raw = SharedLLM(load_llama(base, "cpu", getattr(torch, dt)), SharedConfig(**shared))
+    tok = load_tokenizer(base)
+model_args = ckpt["model_args"] if ckpt else dict(llama=asdict(raw.upper.cfg), shared=shared)
+raw.upper.checkpointing = activation_checkpointing
+# what trains, in fp32 (an AdamW step on a bf16 weight below half its ulp is lost); the rest stays
+for name, p in raw.named_parameters():
+    top = name.startswith(("upper.norm", "upper.output")) or (
+        name.startswith("upper.layers.") and int(name.split(".")[2]) >= raw.scfg.n_lower)
+    p.requires_grad_(train == "all" or ".cross_" in name or (train == "cross+top" and top))
+    p.data = p.data.float() if p.requires_grad else p.data
+if master:
+    n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)
+    print(f"model: {raw.upper.cfg}\nshared: {raw.scfg}\ntrainable {n_train:,} of "
+          f"{sum(p.numel() for p in raw.parameters()):,} parameters (train={train!r})")
+raw.to(dev)
+params = [p for p in raw.parameters() if p.requires_grad]
+if compile:   # each block (fused norms, rotations, MLP); the tree search stays eager: host Python
+    for blk in raw.upper.layers:   # whose values torch.compile would recompile on at every batch
+        blk.compile()
+model = raw
+if ddp:   # a batch without X_C (context_dropout) leaves cross-attention unused on a rank
+    model = torch.nn.parallel.DistributedDataParallel(
+        raw, device_ids=[int(os.environ["LOCAL_RANK"])] if dev_type == "cuda" else None,
+        find_unused_parameters=context_dropout > 0 and task != "passkey")
 
-    # the loop
-    raw.train()
-    start_iter = iter_num   # a resumed run does not re-evaluate its checkpoint
-    while True:
-        last = iter_num >= max_iters or 0 < stop_iter <= iter_num
-        # (the same on every rank)
-        due = (iter_num % eval_interval == 0 or last) and (iter_num > start_iter or eval_only)
-        if due and not eval_only:
-            rngs = rng_states(rng, ddp, world, dev_type)   # every rank's (a collective)
-        if due and master:
-            check_finite(nonfinite, checked_at, iter_num)
-            if not eval_only:   # first: an evaluation that fails never costs the trained weights
-                save_checkpoint(os.path.join(out_dir, "ckpt.pt"), raw, optimizer, scaler, ema,
-                                names, base, model_args=model_args, iter_num=iter_num,
-                                config=config, tokenizer=tok.spec, rngs=rngs)
-            counts = eval_counts["final_eval_chunks" if last else "eval_chunks"]
-            iters = (final_eval_iters or eval_iters) if last else eval_iters
-            evaluate_and_log(raw, params, ema, tok, splits, counts, lm_eval_counts, iters,
-                             iter_num, dev, autocast, log_path)
-            last_line = time.time()   # eval time is not training time
-        if last or eval_only:
-            break
-        lr = get_lr(iter_num)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        # SharedLLM: this step's context length (chunks) and compression (beta), from the curricula
-        n = scheduled(chunk_pairs, iter_num, n_chunks)
-        raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # beta: no weight depends on it
-        profiling = 0 < profile_iter == iter_num and master
-        with counted(f"iteration {iter_num} ({n} chunks)") if profiling else nullcontext():
-            for micro in range(gradient_accumulation_steps):
-                # SharedLLM: a batch is X_C (n chunks), X_D with its targets, the question's length
-                kind, (ctx, idx, tgt, ql) = next_batch(rng, iter_num, tok, splits, n, dev)
-                last_micro = micro == gradient_accumulation_steps - 1
-                sync = model.no_sync() if ddp and not last_micro else nullcontext()
-                with sync, autocast:
-                    _, loss = model(ctx, idx, tgt, ql)   # SharedLLM: compress X_C, then read X_D
-                nonfinite |= ~torch.isfinite(loss.detach())   # on the device: read at a log line
-                loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
-                loss_n[kind] = loss_n.get(kind, 0) + 1
-                scaler.scale(loss / gradient_accumulation_steps).backward()
-            update_weights(optimizer, scaler, params, ema)
-        if profiling and ctx is not None:
-            count_compress(raw, ctx, idx, ql, autocast, iter_num, kind, n)
-        iter_num += 1
-        # the next batch (iteration lm_from) is the first that can be text: the average starts
-        # again, as passkey-only weights in it read text worse (docs/experiments.md); 0: never
-        if ema is not None and task == "mixed" and iter_num == lm_from:
-            with torch.no_grad():
-                for e, p in zip(ema, params):
-                    e.copy_(p)
-        if iter_num % log_interval == 0 and master:
-            checked_at = check_finite(nonfinite, checked_at, iter_num)
-            losses = {k: (loss_sum[k] / loss_n[k]).item() for k in loss_sum}   # since the last line
-            loss_sum, loss_n = {}, {}
-            last_line = log_step(log_path, iter_num, losses, lr, raw, n, idx.shape[1], world, peak,
-                                 start, last_line)
-    if ddp:
-        torch.distributed.barrier()   # all wait for rank 0's last eval and checkpoint
-        torch.distributed.destroy_process_group()
+# the data: the curricula (SharedLLM: context length and compression), the corpus (tokenized once
+# into data_cache/; none for passkeys alone, which are generated), the lengths checked at the start
+chunk_pairs = parse_schedule("chunk_schedule", chunk_schedule)
+beta_pairs = parse_schedule("beta_schedule", beta_schedule, float)
+for b, _ in beta_pairs:   # every beta of the schedule is one the model accepts
+    SharedConfig(**{**shared, "beta": b})
+eval_counts = parse_list("eval_chunks", eval_chunks)
+final_counts = parse_list("final_eval_chunks", final_eval_chunks or eval_chunks)
+splits = data.prepare(tok, package_path(data_dir)) if task != "passkey" else None
+longest = {s: int(np.diff(splits[s][1]).max()) for s in splits} if splits else {}
+most = max([n_chunks] + [n for n, _ in chunk_pairs]) * chunk_size + block_size + 1
+if train == "cross" and context_dropout > 0 and task != "passkey":
+    raise SystemExit("--context_dropout: with --train=cross a text batch without X_C trains "
+                     "nothing (the frozen model already reads X_D alone); set it to 0")
+if splits and most > longest["train"]:
+    raise SystemExit(f"--n_chunks, --chunk_schedule: a training window needs {most:,} tokens; the "
+                     f"longest training document has {longest['train']:,}")
 
-# -----------------------------------------------------------------------------
-# the pieces main() calls
-
-
-def place_model(raw, ddp, dev, dev_type, dt, master, base):
-    # what trains (fp32 master weights; the rest as loaded), on the device -> the module the step
-    # calls (DDP-wrapped or raw itself), the trained parameters
-    set_trainable(raw, train)
-    if master:
-        n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)
-        n_frozen = sum(p.numel() for p in raw.parameters() if not p.requires_grad)
-        print(f"model: {raw.upper.cfg}\nshared: {raw.scfg}\ntrainable {n_train:,} / frozen "
-              f"{n_frozen:,} parameters (train={train!r})")
-        if init_from not in ("scratch", "resume") or base:   # pretrained: before the device has it
-            memory_estimate(raw, dt, dev, batch_size, block_size, n_chunks, ema_decay,
-                            activation_checkpointing)
-    raw.to(dev)
-    params = [p for p in raw.parameters() if p.requires_grad]
-    if compile:   # each block (fused norms, rotations, MLP); the tree search stays eager: host
-        # Python whose values torch.compile would guard on, recompiling at every batch
-        for blk in raw.upper.layers:
-            blk.compile()
-    model = raw
-    if ddp:   # a batch without X_C (context_dropout) leaves cross-attention unused on a rank
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[int(os.environ["LOCAL_RANK"])] if dev_type == "cuda" else None,
-            find_unused_parameters=context_dropout > 0 and task != "passkey")
-    return model, params
-
-
-def load_data(tok, ddp, master):
-    # the schedules, the corpus, and every length checked against them -> chunk and beta
-    # schedules, eval chunk counts, the corpus splits, the counts text can be evaluated at
-    chunk_pairs = parse_schedule("chunk_schedule", chunk_schedule)
-    beta_pairs = parse_schedule("beta_schedule", beta_schedule,   # each beta a SharedConfig too
-                                lambda v: SharedConfig(**{**shared_config(), "beta": v}), float)
-    eval_counts = {name: parse_counts(name, spec) for name, spec in (
-        ("eval_chunks", eval_chunks), ("final_eval_chunks", final_eval_chunks or eval_chunks))}
-    splits = load_corpus(tok, ddp, master)
-    train_counts = sorted({n for n, _ in chunk_pairs} | {n_chunks})
-    lm_eval_counts = data.check_lengths(
-        tok, splits, train_counts, sorted(set(sum(eval_counts.values(), []))), task, chunk_size,
-        block_size, pad_passkeys, data_dir, master, needles)
-    if chunk_pos == "random" and max(train_counts) > max_chunk_id:
-        raise SystemExit(f"--max_chunk_id={max_chunk_id}: random chunk ids for "
-                         f"{max(train_counts)} chunks need at least {max(train_counts)}")
-    return chunk_pairs, beta_pairs, eval_counts, splits, lm_eval_counts
-
-
-def make_optimizer(raw, params, ckpt, rng, rank, dev_type, dt):
-    # AdamW (a loss scaler for float16 only: small gradients must not underflow), its state when
-    # resuming, and the moving average of what trains (fp32; None when off) -> optimizer, scaler,
-    # the iteration to start at, the average, each trained parameter's names
-    optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(0.9, beta2), weight_decay=0.0,
-                                  foreach=True)   # a few kernels for all tensors, also on a CPU
-    scaler = torch.amp.GradScaler("cuda", enabled=dt == "float16")
-    iter_num = 0
-    if ckpt is not None:
-        iter_num = restore_training(ckpt, optimizer, scaler, rng, rank, dev_type, seed)
-    if rank == 0 and iter_num >= max_iters:
-        print(f"nothing to train: {out_dir}/ckpt.pt is at iteration {iter_num} and --max_iters is "
-              f"{max_iters}")
-    ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
-    names = [[n for n, q in raw.named_parameters(remove_duplicate=False) if q is p] for p in params]
-    if ckpt is not None and "raw" in ckpt:   # the model was built from the average: raw ones train
+# the optimizer, the moving average of what trains, and the state of a run to resume
+optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(0.9, beta2), weight_decay=0.0,
+                              foreach=True)   # a few kernels for all tensors, also on a CPU
+scaler = torch.amp.GradScaler("cuda", enabled=dt == "float16")   # float16: no underflow
+ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
+names = [[n for n, q in raw.named_parameters(remove_duplicate=False) if q is p] for p in params]
+iter_num = 0
+if ckpt:   # the optimizer, this process's random streams, and the raw weights (model: average)
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if "scaler" in ckpt:
+        scaler.load_state_dict(ckpt["scaler"])
+    iter_num, state = ckpt["iter_num"], ckpt["rngs"][rank]
+    rng.setstate(state["data"])
+    random.setstate(state["tree"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    if "raw" in ckpt:
         with torch.no_grad():
             for p, ns in zip(params, names):
                 p.copy_(ckpt["raw"][ns[0]])
-    return optimizer, scaler, iter_num, ema, names
-
-
-def update_weights(optimizer, scaler, params, ema):
-    # one optimizer step on the true gradients (unscaled: a no-op without float16), clipped at
-    # norm 1.0 (a constant: no recipe changes it); the moving average moves toward the new weights
-    scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    if ema is not None:   # one call for every tensor (a GPU: a few kernels, not one per tensor)
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, params, 1 - ema_decay)
-
-
-def evaluate_and_log(raw, params, ema, tok, splits, counts, lm_eval_counts, iters, iter_num, dev,
-                     autocast, log_path):
-    # evaluate the moving average of the weights; a failure says where the weights are saved
-    try:
-        with averaged(params, ema):
-            res = evaluate(raw, tok, splits, counts, lm_eval_counts, iters, iter_num, dev, autocast)
-    except Exception:
-        print(f"evaluation at iteration {iter_num} failed; the weights are saved in "
-              f"{os.path.join(out_dir, 'ckpt.pt')} (evaluate them again: "
-              "--init_from=resume --eval_only=True)", flush=True)
-        raise
-    print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()),
-          flush=True)
-    log(log_path, iter=iter_num, eval=res)
-
-
-
-def setup_processes():
-    # -> ddp, rank, world size, device, dtype name; under torchrun each process is a rank (a GPU
-    # or a CPU process)
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-    dev, dt = auto_device(device, dtype)
-    if ddp:
-        torch.distributed.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
-        if dev.startswith("cuda"):
-            dev = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-            torch.cuda.set_device(dev)
-    return ddp, rank, world, dev, dt
-
-
-def load_corpus(tok, ddp, master):
-    # the text corpus, tokenized once into data_cache/ (None for passkeys alone: generated)
-    if ddp and not master:
-        torch.distributed.barrier()   # rank 0 tokenizes first, then the rest read its cache
-    try:
-        splits = data.prepare(tok, package_paths(data_dir)) if task != "passkey" else None
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"--data_dir={data_dir}: {e}") from None
-    if ddp and master:
-        torch.distributed.barrier()
-    return splits
-
-
-def start_log(ckpt, iter_num, master):
-    # out_dir/log.jsonl (plots.py draws it): a fresh run starts it anew, a resumed one keeps the
-    # lines up to its checkpoint
-    log_path = os.path.join(out_dir, "log.jsonl")
-    if master:
-        kept = open(log_path).readlines() if ckpt is not None and os.path.isfile(log_path) else []
-        with open(log_path, "w") as f:
-            f.writelines(line for line in kept
-                         if line.endswith("\n") and json.loads(line)["iter"] <= iter_num)
-    return log_path
-
-
-def check_settings(dev, dev_type, dt):
-    # every setting that can be checked before anything is built
-    inf = float("inf")
-    check_ranges(globals(), dict(
-        passkey_frac=(0, 1), context_dropout=(0, 1), eval_iters=(1, inf), final_eval_iters=(0, inf),
-        batch_size=(1, inf), gradient_accumulation_steps=(1, inf), max_iters=(1, inf),
-        eval_interval=(1, inf), log_interval=(1, inf), warmup_iters=(0, inf), sigma=(0, inf),
-        n_chunks=(1, inf), block_size=(1, inf), stop_iter=(0, inf), profile_iter=(0, inf)))
-    if task not in ("lm", "passkey", "mixed"):
-        raise SystemExit(f"--task={task}: expected lm, passkey or mixed")
-    if needles not in ("passkey", "mix"):
-        raise SystemExit(f"--needles={needles}: expected passkey or mix")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise SystemExit(f"--out_dir={out_dir}: a file, not a folder")
-    if dt == "float16" and dev_type != "cuda":
-        raise SystemExit(f"--dtype=float16 on {dev}: float16 autocast is for CUDA GPUs without "
-                         "bfloat16 (it trains with a gradient scaler there); use --dtype=float32 "
-                         "or --dtype=bfloat16")
-    if not 0 <= ema_decay < 1:
-        raise SystemExit(f"--ema_decay={ema_decay}: expected 0 (off) or a decay in (0, 1), "
-                         "like 0.998")
-    if train == "cross" and context_dropout > 0 and task != "passkey":
-        raise SystemExit(f"--context_dropout={context_dropout} with --train=cross: a batch without "
-                         "X_C reaches no trainable parameter (only cross-attention trains, and the "
-                         "frozen upper model already works alone); use --context_dropout=0")
-
-
-def shared_config():   # this run's model.SharedConfig settings
-    return dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy,
-                keep=keep, sigma=sigma, chunk_pos=chunk_pos, max_chunk_id=max_chunk_id,
-                lower_weights="shared" if train in ("all", "cross") else "copy")
-
-
-def next_batch(rng, iter_num, tok, splits, n, dev):
-    # one training batch of one kind -> kind, (context (B, n, C) or None, idx (B, T), targets
-    # (B, T), question lengths: they stay on the host, where the search policies read them)
-    kind = task
-    if task == "mixed":
-        kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"
-    if kind == "passkey" and needles == "mix":
-        kind = "needles"
-    T = block_size if kind == "lm" or pad_passkeys else None   # padded after the answer
-    ctx, idx, tgt, ql = data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size, T)
-    ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)
-    if kind == "lm" and context_dropout > 0 and rng.random() < context_dropout:
-        ctx = None
-    return kind, (ctx, idx, tgt, ql)
-
-
-def count_compress(raw, ctx, idx, ql, autocast, iter_num, kind, n):
-    # --profile_iter: the batch's compress alone, once more; the random streams (chunk ids, split
-    # noise) are put back, so the run trains on as it would have without the count
-    state = random.getstate()
-    label = f"iteration {iter_num}'s compress ({kind}, {n} chunks)"
-    with torch.random.fork_rng(), counted(label), autocast:
-        raw.compress(ctx, idx, ql)
-    random.setstate(state)
+log_path = os.path.join(out_dir, "log.jsonl")   # a JSON line per log line and evaluation
+if master:   # a fresh run starts it anew, a resumed one keeps its lines up to the checkpoint
+    kept = open(log_path).readlines() if ckpt and os.path.isfile(log_path) else []
+    with open(log_path, "w") as f:
+        f.writelines(line for line in kept if json.loads(line)["iter"] <= iter_num)
 
 
 def get_lr(it):   # linear warmup, then cosine down to min_lr at max_iters
@@ -406,54 +210,37 @@ def get_lr(it):   # linear warmup, then cosine down to min_lr at max_iters
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-@contextmanager
-def averaged(params, ema):   # the trained weights replaced by their moving average, then back
-    if ema is None:
-        yield
-        return
-    held = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        for p, e in zip(params, ema):
-            p.copy_(e)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, h in zip(params, held):
-                p.copy_(h)
-
-
 @torch.no_grad()
-def evaluate(raw, tok, splits, counts, lm_eval_counts, iters, iter_num, dev, autocast):
+def evaluate(counts):
     # Passkey accuracy and language-modeling loss at each chunk count, with the context and with
-    # the upper model alone. Fixed validation samples (their own seeds): evals compare, and never
-    # touch the training streams. In "mixed", text is measured once it has started (at lm_from).
+    # the upper model alone, on fixed samples (their own seeds: evals compare, and never touch the
+    # training streams); text once it has started (lm_from)
     raw.eval()
     trained_beta, raw.scfg.beta = raw.scfg.beta, beta   # always at the target compression
-    out, lm_counts, lm_batches = {}, [n for n in counts if n in lm_eval_counts], []
+    out, lm_batches = {}, []
+    lm_counts = [n for n in counts if n * chunk_size + block_size + 1 <= longest.get("val", 0)]
     if lm_counts and (task == "lm" or (task == "mixed" and iter_num > lm_from)):
         # windows drawn once for the largest chunk count; a shorter context is the last n chunks
-        # of the same window: every length scores the same X_D tokens, the ratios compare context
-        # alone (as many as haystacks: on 128 the ratio moved by up to 0.014; docs/experiments.md)
+        # of the same window: every length scores the same X_D tokens
         lrng = random.Random(1000)
         lm_batches = [[t.to(dev) for t in data.get_batch(
             "lm", batch_size, lrng, tok, splits, max(lm_counts), chunk_size, block_size, "val")]
-            for _ in range(iters)]
+            for _ in range(eval_iters)]
     for n in counts:
         erng = random.Random(1000 + n)
         if task in ("passkey", "mixed"):
             hits, found = [0, 0], dict(leaf=0, between=0, coarse=0)
-            for _ in range(iters):
+            for _ in range(eval_iters):
                 ctx, idx, tgt, ql = [t.to(dev) for t in data.get_batch(
                     "passkey", batch_size, erng, tok, splits, n, chunk_size, None)]
                 with autocast:   # with the context (SharedLLM), then the upper model alone
                     memory = raw.compress(ctx, idx, ql)
                     both = raw.upper(idx, memory=memory)[0], raw.upper(idx)[0]
                 for j, logits in enumerate(both):
-                    hits[j] += ((logits.argmax(-1) == tgt) | (tgt == -100)).all(-1).sum().item()
-                for where in data.key_placements(memory.nodes, ctx, tgt):   # the search's verdict
-                    found[where] += 1
-            scale = iters * batch_size
+                    hits[j] += data.exact_match(logits, tgt).sum().item()
+                for where in data.key_placements(memory.nodes, ctx, tgt):   # where the search
+                    found[where] += 1                                         # left the key
+            scale = eval_iters * batch_size
             out[f"passkey@{n}"], out[f"passkey_noctx@{n}"] = (h / scale for h in hits)
             out[f"leaf@{n}"], out[f"coarse@{n}"] = (found[k] / scale for k in ("leaf", "coarse"))
         if lm_batches and n in lm_counts:
@@ -469,34 +256,112 @@ def evaluate(raw, tok, splits, counts, lm_eval_counts, iters, iter_num, dev, aut
     return out
 
 
-def check_finite(nonfinite, since, iter_num):
+def swap_average():   # the moving average of the weights in place of the trained ones, or back
+    for p, e in zip(params, ema or []):
+        p.data, e.data = e.data, p.data
+
+
+def check_finite():   # the weights a non-finite loss corrupted are never saved
     if nonfinite.item():
-        raise SystemExit(f"a loss was not finite between iterations {since} and {iter_num}; lower "
-                         "--learning_rate or use --dtype=float32 (nothing was saved after it)")
-    return iter_num
+        raise SystemExit(f"a loss was not finite before iteration {iter_num}; lower "
+                         "--learning_rate or use --dtype=float32")
 
 
-def log_step(log_path, iter_num, losses, lr, raw, n, T, world, peak, start, last_line):
-    # the step line: losses per batch kind, speed, model FLOPs utilisation -> its time
-    now, steps = time.time(), gradient_accumulation_steps * batch_size
-    dt_ = (now - last_line) / log_interval   # seconds per iteration, evaluations excluded
-    toks = steps * world * (n * chunk_size + T)
-    mfu = step_flops(raw, n, T) * steps / dt_ / peak
-    ordered = sorted(losses.items(), key=lambda kv: ("passkey", "needles", "lm").index(kv[0]))
-    print(f"iter {iter_num}: loss " + " ".join(   # passkey first, whichever batch came first
-        f"{v:.4f}" + (f" ({k})" if len(losses) > 1 else "") for k, v in ordered)
-        + f", lr {lr:.2e}, {dt_ * 1000:.0f} ms/iter, {toks / dt_:,.0f} tok/s, mfu "
-        f"{100 * mfu:.1f}% (of {peak / 1e12:.2f} TFLOP/s), chunks {n}, "
-        f"{(now - start) / 60:.1f} min", flush=True)
-    log(log_path, iter=iter_num, loss=losses, lr=lr, ms_per_iter=1000 * dt_, tok_per_s=toks / dt_,
-        mfu=mfu, peak_flops=peak, chunks=n, beta=raw.scfg.beta, minutes=(now - start) / 60)
-    return now
-
-
-def log(log_path, **record):   # out_dir/log.jsonl: a JSON line per step line and per evaluation
+def log(**record):   # out_dir/log.jsonl (plots.py draws it)
     with open(log_path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
-if __name__ == "__main__":
-    main()
+# the training loop
+nonfinite = torch.zeros((), dtype=torch.bool, device=dev)   # read at log lines (a read per step
+loss_sum, loss_n = {}, {}                                    # stalls a GPU), as the losses are
+start = last_line = time.time()
+start_iter = iter_num   # a resumed run does not evaluate its checkpoint again
+raw.train()
+while True:
+    last = iter_num >= max_iters
+    if (iter_num % eval_interval == 0 or last) and iter_num > start_iter:
+        # save first (a failing evaluation never costs the weights), then evaluate the average
+        mine = dict(data=rng.getstate(), tree=random.getstate(), torch=torch.get_rng_state(),
+                    **(dict(cuda=torch.cuda.get_rng_state()) if dev_type == "cuda" else {}))
+        rngs = [mine] * world
+        if ddp:   # every process's streams, so that each goes on exactly (a collective)
+            torch.distributed.all_gather_object(rngs, mine)
+        if master:
+            check_finite()
+            state = raw.state_dict()
+            if base:   # light: what trains; the base model holds the rest
+                state = {k: v for k, v in state.items() if any(k in ns for ns in names)}
+            ck = dict(model=state, optimizer=optimizer.state_dict(), model_args=model_args,
+                      iter_num=iter_num, config=config, tokenizer=tok.spec, rngs=rngs, base=base)
+            if ema is not None:   # "model" is the average (eval.py, sample.py), "raw" resumes
+                avg = {n: e for e, ns in zip(ema, names) for n in ns}
+                ck.update(model={**state, **avg}, raw={n: state[n] for n in avg})
+            if scaler.is_enabled():
+                ck["scaler"] = scaler.state_dict()
+            torch.save(ck, os.path.join(out_dir, "ckpt.pt.tmp"))   # whole, then renamed: a crash
+            os.replace(os.path.join(out_dir, "ckpt.pt.tmp"), os.path.join(out_dir, "ckpt.pt"))
+            swap_average()
+            res = evaluate(final_counts if last else eval_counts)
+            swap_average()
+            print(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()),
+                  flush=True)
+            log(iter=iter_num, eval=res)
+            last_line = time.time()   # eval time is not training time
+    if last:
+        break
+    lr = get_lr(iter_num)
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    # SharedLLM: this step's context length (chunks) and compression (beta), from the curricula
+    n = scheduled(chunk_pairs, iter_num, n_chunks)
+    raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # beta: no weight depends on it
+    for micro in range(gradient_accumulation_steps):
+        # SharedLLM: a batch is X_C (n chunks), X_D with its targets, the question's length (on
+        # the host, where the search reads it); a batch is passkeys or text
+        kind = task
+        if task == "mixed":
+            kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"
+        ctx, idx, tgt, ql = data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size,
+                                           block_size)
+        ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)
+        if kind == "lm" and context_dropout > 0 and rng.random() < context_dropout:
+            ctx = None
+        if ddp:   # average the gradients across processes at the last micro-step only
+            model.require_backward_grad_sync = micro == gradient_accumulation_steps - 1
+        with autocast:
+            _, loss = model(ctx, idx, tgt, ql)   # SharedLLM: compress X_C, then read X_D
+        nonfinite |= ~torch.isfinite(loss.detach())
+        loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
+        loss_n[kind] = loss_n.get(kind, 0) + 1
+        scaler.scale(loss / gradient_accumulation_steps).backward()
+    scaler.unscale_(optimizer)   # clip the true gradients (a no-op without float16)
+    torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if ema is not None:   # the moving average moves toward the new weights
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, params, 1 - ema_decay)
+    iter_num += 1
+    # the next batch (iteration lm_from) is the first that can be text: the average starts again,
+    # as passkey-only weights in it read text worse; 0: never
+    if ema is not None and task == "mixed" and iter_num == lm_from:
+        with torch.no_grad():
+            torch._foreach_copy_(ema, params)
+    if iter_num % log_interval == 0 and master:
+        check_finite()
+        now, ms = time.time(), 1000 * (time.time() - last_line) / log_interval
+        losses = {k: (loss_sum[k] / loss_n[k]).item() for k in sorted(loss_sum, reverse=True)}
+        loss_sum, loss_n = {}, {}
+        toks = gradient_accumulation_steps * batch_size * world * (n * chunk_size + idx.shape[1])
+        print(f"iter {iter_num}: loss " + " ".join(   # passkey first, whichever came first
+            f"{v:.4f}" + (f" ({k})" if len(losses) > 1 else "") for k, v in losses.items())
+            + f", lr {lr:.2e}, {ms:.0f} ms/iter, {1000 * toks / ms:,.0f} tok/s, chunks {n}, "
+            f"{(now - start) / 60:.1f} min", flush=True)
+        log(iter=iter_num, loss=losses, lr=lr, ms_per_iter=ms, chunks=n, beta=raw.scfg.beta,
+            minutes=(now - start) / 60)
+        last_line = now
+if ddp:
+    torch.distributed.barrier()   # every process waits for the last evaluation, then all end
+    torch.distributed.destroy_process_group()

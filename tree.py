@@ -136,6 +136,16 @@ def search(n_trees, chunk_size, height, beta, select=None, sigma=0.0, rng=None):
     return preserved
 
 
+def path(nodes, chunk_size):
+    """The spans the search selected, from the root down, read back from one chunk's preserved
+    nodes: at each level the preserved node is the sibling of the selected one."""
+    lo, hi, spans = 0, chunk_size, [(0, chunk_size)]
+    for nd in sorted(nodes, key=lambda nd: (nd.level, nd.start))[:-2]:   # all but the leaves
+        lo, hi = (nd.end, hi) if nd.start == lo else (lo, nd.start)
+        spans.append((lo, hi))
+    return spans
+
+
 def describe(nodes, chunk_size, keep="last"):
     """An annotated text picture of one chunk's preserved nodes."""
     total = sum(nd.n_kept for nd in nodes)
@@ -176,11 +186,3 @@ if __name__ == "__main__":
     nodes = search(1, C, h, 2)[0]
     print(describe(nodes, C))
     assert [len(nd) / nd.n_kept for nd in nodes] == [2, 2, 2, 2]
-
-    print("\nother shapes (beta as measured):")
-    for C2, h2, b2 in [(1024, 2, 8), (1024, 4, 8), (1024, 3, 1), (1024, 3, 16),
-                       (128, 3, 2), (128, 3, 8), (100, 3, 8)]:
-        nodes = search(1, C2, h2, b2)[0]
-        kvs = [nd.n_kept for nd in nodes]
-        print(f"  C={C2:5d} h={h2} beta={b2:2d}: spans {[(nd.start, nd.end) for nd in nodes]}"
-              f" KVs {kvs} -> beta {C2 / sum(kvs):.3g}")

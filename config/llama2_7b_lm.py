@@ -32,5 +32,4 @@ eval_interval = 250
 eval_iters = 4
 eval_chunks = "4"
 final_eval_chunks = ""
-final_eval_iters = 0         # the last eval as large as the others
 activation_checkpointing = True

@@ -40,5 +40,4 @@ eval_interval = 250
 eval_iters = 4
 eval_chunks = "8"
 final_eval_chunks = "8,32"
-final_eval_iters = 0         # the last eval as large as the others
 activation_checkpointing = True

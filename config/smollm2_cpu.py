@@ -34,5 +34,4 @@ eval_interval = 300          # one evaluation, at the end
 eval_iters = 8               # windows per chunk count
 eval_chunks = "4,16,64"      # 1K, 4K, 16K context tokens: 16K is twice SmolLM2's 8K window
 final_eval_chunks = ""
-final_eval_iters = 0         # the last eval as large as the others
 log_interval = 25

@@ -33,5 +33,4 @@ eval_interval = 250
 eval_iters = 8
 eval_chunks = "8,32"         # 4K and 16K context tokens
 final_eval_chunks = "8,32,64"
-final_eval_iters = 0         # the last eval as large as the others
 log_interval = 50

@@ -21,4 +21,3 @@ lm_from = 1250
 eval_interval = 500
 eval_chunks = "4"
 final_eval_chunks = "4,16,64"      # up to 8K context tokens: 8x the longest training context
-final_eval_iters = 0               # the last eval as large as the others (WORKSHOP.md measured so)
