@@ -1,5 +1,5 @@
 """
-Measure a SharedLLM the way the paper and the field do, with the protocol printed beside each number.
+Measure a SharedLLM as the paper and the field do, the protocol printed beside each number.
 
   python eval.py --task=ppl         # perplexity with vs without the compressed context
   python eval.py --task=passkey     # exact match over context lengths x key depths: a heatmap
@@ -179,7 +179,8 @@ def score_cell(model, base, tok, task, n, C, cell, g, dev, row):
     for i in range(0, len(hay), step):
         group = hay[i:i + step]
         if task == "passkey":
-            ctx, idx, tgt, ql = (t.to(dev) for t in data.collate([h[0] for h in group], tok))
+            ctx, idx, tgt, ql = data.collate([h[0] for h in group], tok)
+            ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)   # (ql: on the host)
         else:
             (ctx, idx, tgt, ql), answers, _ = group[0]
             ctx, idx, ql = ctx[None].to(dev), idx[None].to(dev), torch.tensor([ql])

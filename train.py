@@ -58,7 +58,7 @@ sigma = 0.0             # split noise, a fraction of a node's length l (paper: l
                         # ours: 0, the paper's "w/o noise" ablation, as the tiny model trains
 train = "all"           # what trains: "all" | "cross" (cross-attention) | "cross+top" (and the top
                         # N-M layers: the paper's LM recipe); ours: "all" from scratch
-policy = "lexical"      # step 1's search, ours in every recipe (model.lexical_policy); ablations:
+policy = "lexical"      # step 1's search, ours in every recipe (model.lexical_targets); ablations:
                         # "vector" (the paper's), "right"
 chunk_pos = "random"    # step 4's chunk position ids: "random" in training (ours, every recipe's:
                         # every distance seen) | "plain" (the paper's) | "off"
@@ -231,8 +231,9 @@ def evaluate(counts):
         if task in ("passkey", "mixed"):
             hits, found = [0, 0], dict(leaf=0, between=0, coarse=0)
             for _ in range(eval_iters):
-                ctx, idx, tgt, ql = [t.to(dev) for t in data.get_batch(
-                    "passkey", batch_size, erng, tok, splits, n, chunk_size, None)]
+                ctx, idx, tgt, ql = data.get_batch("passkey", batch_size, erng, tok, splits, n,
+                                                   chunk_size, None)
+                ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)   # (ql: on the host)
                 with autocast:   # with the context (SharedLLM), then the upper model alone
                     memory = raw.compress(ctx, idx, ql)
                     both = raw.upper(idx, memory=memory)[0], raw.upper(idx)[0]

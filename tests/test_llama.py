@@ -55,7 +55,7 @@ def test_tied_embeddings_stay_one_tensor(tmp_path):
     idx = torch.randint(0, 320, (2, 29))
     with torch.no_grad():
         assert rel_err(hf(idx).logits, ours(idx)[0]) <= 1e-5
-    s = M.SharedLLM.from_llama(ours, n_lower=1, chunk_size=16, height=2, beta=4).train()
+    s = M.SharedLLM(ours, M.SharedConfig(n_lower=1, chunk_size=16, height=2, beta=4)).train()
     opt = torch.optim.AdamW(s.parameters(), lr=1e-2)
     s(torch.randint(0, 320, (2, 2, 16)), idx, idx)[1].backward()
     opt.step()
@@ -69,7 +69,8 @@ def test_loaders_name_what_is_wrong(tmp_path):
     make_hf_checkpoint(tmp_path)
     from safetensors.torch import load_file, save_file
     sd = load_file(tmp_path / "model.safetensors")
-    for bad, error in [({**sd, "model.extra.weight": sd["model.norm.weight"].clone()}, "model.extra"),
+    extra = {**sd, "model.extra.weight": sd["model.norm.weight"].clone()}
+    for bad, error in [(extra, "model.extra"),
                        ({**sd, "model.norm.weight": sd["model.norm.weight"][:3]}, "norm")]:
         save_file(bad, tmp_path / "model.safetensors")
         with pytest.raises((ValueError, RuntimeError), match=error):
@@ -122,7 +123,8 @@ def test_attention_is_the_softmax_written_out(hq, hkv, tq, tk, causal):
     y = M.attention(q, k, v, False, mask=mask)
     for b, j in [(0, 0), (1, tq - 1)]:
         e = upto[b, j] + 1
-        alone = manual_attention(q[b:b + 1, :, j:j + 1], k[b:b + 1, :, :e], v[b:b + 1, :, :e], False)
+        alone = manual_attention(q[b:b + 1, :, j:j + 1], k[b:b + 1, :, :e], v[b:b + 1, :, :e],
+                                 False)
         assert rel_err(alone, y[b:b + 1, :, j:j + 1]) < 1e-5
 
 

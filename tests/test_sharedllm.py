@@ -22,7 +22,7 @@ def build(seed=0, wo_scale=0.0, **kw):   # -> an untrained SharedLLM, and a copy
     ref = copy.deepcopy(base)
     kw = dict(dict(n_lower=2, chunk_size=64, height=3, beta=4, policy="right", chunk_pos="plain"),
               **kw)
-    s = M.SharedLLM.from_llama(base, **kw).eval()
+    s = M.SharedLLM(base, M.SharedConfig(**kw)).eval()
     if wo_scale:   # a trained-looking cross-attention: the context changes the output
         for blk in s.upper.layers[:s.scfg.n_lower]:
             torch.nn.init.normal_(blk.cross_attention.wo.weight, std=wo_scale)
@@ -69,7 +69,7 @@ def test_fast_step_3_equals_the_plain_one(n_layers):
 
 
 def encode_each_node_alone(ref, ctx, nodes, n_lower, keep):
-    # Steps 3 and 4 the obvious way: each preserved node a sequence of its own (positions 0..) through
+    # Steps 3 and 4 the obvious way: each preserved node a sequence of its own (at 0..) through
     # the base LLaMA's bottom M blocks; each block's KV cache then holds the K (rotated) and V the
     # paper keeps, read at the node's kept positions, and the keys of chunk c rotated by c
     B, n, C = ctx.shape
@@ -126,7 +126,8 @@ def test_chunk_ids_make_order_visible_and_are_random_only_in_training():
     rand, _ = build(wo_scale=0.5, chunk_pos="random", max_chunk_id=40)
     with torch.no_grad():   # at inference: ids 0..n-1, the queries at n
         assert torch.equal(plain(ctx, idx)[0], rand(ctx, idx)[0])
-    k, q = M.chunk_positions(rand.scfg, 4000, 4, "cpu", training=True)
+    ids = M.chunk_positions(rand.scfg, 4000, 4, "cpu", training=True)
+    k, q = ids[:, :4], ids[:, 4]
     assert (k[:, 1:] > k[:, :-1]).all() and torch.equal(q, k[:, -1] + 1)   # order kept
     assert k.min() == 0 and q.max() == 40 and (q == 4).float().mean() > 0.1
     dist = (q[:, None] - k)[:, 0]   # spans log-uniform in 4..40: near is common, far is seen
@@ -199,39 +200,23 @@ def test_gradients_reach_exactly_the_trainable_parameters():
         assert (p.grad is not None and p.grad.abs().sum() > 0) == (".cross_" in n), n
 
 
-def lexical_target(flat, q, C, chunk):
-    # lexical_policy's definition, in plain Python for one chunk of one sample: each context
-    # position t scores every run of k <= NGRAM_MAX tokens ending at it that the question holds,
-    # log(N / the run's count in X_C), twice if the question ends with it; position p's evidence is
-    # the scores of [p - W, p), W = len(q) // 4 (at least 1); the target is the chunk's first
-    # position of most evidence, or its last position when no evidence
-    from collections import Counter
-    N, W = len(flat), max(1, len(q) // 4)
-    runs = lambda seq, k: [tuple(seq[i - k + 1:i + 1]) for i in range(k - 1, len(seq))]
-    count = {k: Counter(runs(flat, k)) for k in range(1, M.NGRAM_MAX + 1)}
-    in_q = {k: set(runs(q, k)) for k in range(1, M.NGRAM_MAX + 1)}
-    score = [0.0] * N
-    for t in range(N):
-        for k in range(1, min(M.NGRAM_MAX, t + 1) + 1):
-            run = tuple(flat[t - k + 1:t + 1])
-            rarity = math.log(N / count[k][run])
-            score[t] += rarity * ((run in in_q[k]) + (len(q) >= k and run == tuple(q[-k:])))
-    evidence = [sum(score[max(0, p - W):p]) for p in range(chunk * C, (chunk + 1) * C)]
-    best = max(evidence)
-    return evidence.index(best) if best > 1e-4 else C - 1
-
-
-def test_lexical_policy_follows_its_plain_definition():
+def test_the_search_runs_as_its_plain_statement_says():
+    # lexical_targets_batched (what runs) gives lexical_targets' targets (the plain statement),
+    # on random tokens with the question's runs planted in other orders, repeated, across chunk
+    # borders, a short vocabulary (many ties) and a row with no question; and each tree holds its
+    # target in a leaf
     s, _ = build(policy="lexical")
-    ctx, idx = data(B=2, n=3)
-    ql = torch.tensor([5, 16])
-    ctx[1, 2, 4:10] = idx[1, 10:16]                       # the question's last 6 tokens
-    ctx[1, 1, 40:45], ctx[1, 1, 20:25] = idx[1, 0:5], idx[1, 0:5]   # its first 5, twice
-    ctx[0, 0, 50:53], ctx[0, 0, 30:32] = idx[0, 2:5], idx[0, 0:2]   # apart and out of order
-    ctx[0, 2, 60:64], ctx[0, 2, 0:3] = idx[0, 1:5], idx[0, 0:3]     # across a chunk border
-    with torch.no_grad():
-        nodes = s.compress(ctx, idx, ql).nodes
-    for r, nds in enumerate(nodes):   # each tree holds its target in a leaf
-        t = lexical_target(ctx[r // 3].flatten().tolist(), idx[r // 3, :ql[r // 3]].tolist(), 64,
-                           r % 3)
-        assert next(nd for nd in nds if nd.start <= t < nd.end).level == 3, (r, t)
+    g = torch.Generator().manual_seed(0)
+    for V, ql in ((258, [5, 16]), (6, [9, 0]), (40, [20, 1])):
+        ctx = torch.randint(0, V, (2, 3, 64), generator=g)
+        idx = torch.randint(0, V, (2, 20), generator=g)
+        ctx[1, 2, 4:10], ctx[1, 1, 40:45], ctx[1, 1, 20:25] = idx[1, 10:16], idx[1, :5], idx[1, :5]
+        ctx[0, 0, 50:53], ctx[0, 2, 60:64], ctx[0, 2, 0:3] = idx[0, 2:5], idx[0, 1:5], idx[0, 0:3]
+        ql = torch.tensor(ql)
+        want = [t for b in range(2) for t in M.lexical_targets(ctx[b].flatten().tolist(),
+                                                               idx[b, :ql[b]].tolist(), 64)]
+        assert M.lexical_targets_batched(ctx.view(6, 64), idx, ql, V) == want
+        with torch.no_grad():
+            nodes = s.compress(ctx, idx, ql).nodes
+        assert all(next(nd for nd in nds if nd.start <= t < nd.end).level == 3
+                   for nds, t in zip(nodes, want))
