@@ -8,6 +8,7 @@ length, each measured in turn with the others, so that drift in the machine's sp
   python bench.py --init_from=out --out=bench.json   # a trained model's weights
 """
 import json
+import os
 import statistics
 import sys
 import time
@@ -16,7 +17,7 @@ import torch
 
 import model as M
 from configurator import config_of, package_path, parse_list, parse_overrides
-from load_llama import PRESETS, load_sharedllm
+from load_llama import PRESETS, auto_device, load_sharedllm
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
@@ -46,10 +47,12 @@ def sync(dev):
 
 def peak_mb(dev, reset=False):
     # CUDA: the allocator's peak; Linux CPU: the process's peak resident memory (VmHWM), which
-    # writing 5 to clear_refs resets to what is resident now
+    # writing 5 to clear_refs resets to what is resident now; elsewhere none (nan)
     if dev.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats() if reset else None
         return torch.cuda.max_memory_allocated() / 2**20
+    if not os.path.exists("/proc/self/clear_refs"):
+        return float("nan")
     if reset:
         open("/proc/self/clear_refs", "w").write("5")
     status = open("/proc/self/status").read()
@@ -81,7 +84,7 @@ def build(g, dev, dt, **shared):
     if g["init_from"]:
         for fixed in ("n_lower", "chunk_size"):   # what the weights were trained for
             shared.pop(fixed)
-        return load_sharedllm(package_path(g["init_from"]), dev, str(dt)[6:], **shared)[0]
+        return load_sharedllm(package_path(g["init_from"]), dev, g["dtype"], **shared)[0]
     torch.manual_seed(g["seed"])
     cfg = M.LlamaConfig(**PRESETS[g["shape"]])
     cfg.n_layers = max(cfg.n_layers, shared["n_lower"])   # the M table needs M layers
@@ -89,7 +92,7 @@ def build(g, dev, dt, **shared):
 
 
 def main(g):
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if g["device"] == "auto" else g["device"]
+    dev = auto_device(g["device"])
     dt = getattr(torch, g["dtype"] if g["dtype"] != "auto" else
                  ("bfloat16" if dev.startswith("cuda") else "float32"))
     m = build(g, dev, dt)

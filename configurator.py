@@ -2,6 +2,7 @@
 line, overridden by recipe files (plain Python assignments, config/) and then --name=value flags:
 python train.py config/smollm2_cpu.py --max_iters=100; python train.py --help lists them."""
 import ast
+import contextlib
 import os
 import sys
 
@@ -11,7 +12,7 @@ def config_of(namespace):   # a script's settings: its module-level ints, floats
             if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
 
 
-def parse_overrides(argv, config, script):   # -> config, overridden in the order given
+def parse_overrides(argv, config, script, echo=True):   # -> config, overridden in order
     for arg in argv:
         if arg in ("-h", "--help"):   # print the script's config block, and stop
             block = "# config:" + open(script).read().split("# config:")[1]
@@ -28,16 +29,15 @@ def parse_overrides(argv, config, script):   # -> config, overridden in the orde
             if key not in config:
                 raise SystemExit(f"{arg}: no setting {key!r} (see --help)")
             config[key] = typed(value, config[key], arg)
-            print(f"{arg}: {key} = {config[key]!r}")
+            if echo:
+                print(f"{arg}: {key} = {config[key]!r}")
     return config
 
 
 def typed(value, default, where):   # value as a value of the default's type, or a one-line error
-    try:
-        if isinstance(value, str) and not isinstance(default, str):
+    if isinstance(value, str) and not isinstance(default, str):
+        with contextlib.suppress(ValueError, SyntaxError):   # (then refused below)
             value = ast.literal_eval(value.capitalize() if isinstance(default, bool) else value)
-    except (ValueError, SyntaxError):
-        pass
     value = float(value) if isinstance(default, float) and type(value) is int else value
     if type(value) is not type(default):
         raise SystemExit(f"{where}: expected {type(default).__name__}, like {default!r}")

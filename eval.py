@@ -23,6 +23,7 @@ import math
 import random
 import sys
 import time
+import types
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ import decode
 import plots
 import tree
 from configurator import config_of, package_path, parse_list, parse_overrides
-from load_llama import load_llama, load_sharedllm
+from load_llama import auto_device, load_llama, load_sharedllm
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
@@ -295,7 +296,7 @@ def run_search(model, tok, tasks, ns, C, g, dev):
 
 
 def main(g):
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if g["device"] == "auto" else g["device"]
+    dev = auto_device(g["device"])
     shared = {k: g[k] for k in ("height", "beta", "policy", "keep", "chunk_pos", "n_lower",
                                 "chunk_size") if g[k]}
     model, tok, trained_with = load_sharedllm(package_path(g["init_from"]), dev, g["dtype"],
@@ -307,12 +308,12 @@ def main(g):
     T = g["block_size"] or trained_with.get("block_size", 256)
     K = g["score_last"] or min(256, T // 2)
     g["window"] = model.upper.cfg.max_seq_len if g["window"] == -1 else g["window"]
-    # the unchanged base model: the upper model, unless its own layers trained (cross+top)
-    base = type("Base", (), dict(upper=model.upper, label="the base model"))
-    if trained_with.get("init_from") == "scratch":
+    # the unchanged base model: the upper model itself, unless more than cross-attention trained
+    base = types.SimpleNamespace(upper=model.upper, label="the base model")
+    if "base" in trained_with and not trained_with["base"]:
         base.label = "its own upper model (trained from scratch: no pretrained base)"
-    elif trained_with.get("train") == "cross+top":
-        base.upper = load_llama(package_path(trained_with["init_from"]), dev, dt)
+    elif trained_with.get("train", "cross") != "cross":
+        base.upper = load_llama(trained_with["base"], dev, dt)
     tasks = (["passkey"] if g["task"] == "passkey" else [])
     tasks += parse_list("ruler_tasks", g["ruler_tasks"], str) if g["task"] != "passkey" else []
     print(f"model {g['init_from']}: {model.upper.cfg.n_layers} layers, dim "

@@ -169,6 +169,10 @@ def load_gguf(path, device="cpu", dtype=torch.float32):
     return build(cfg, sd, names(GGUF_MAP, cfg), path, device, dtype)
 
 
+def auto_device(device):   # "auto": CUDA where there is one, else the CPU
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 # Named model shapes (train.py --preset, bench.py --shape)
 PRESETS = {
     "micro": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=64,
@@ -228,7 +232,9 @@ def sharedllm_from_checkpoint(ck, dtype=torch.float32):
         with torch.device("meta"):
             model = SharedLLM(Llama(LlamaConfig(**ck["model_args"]["llama"])), scfg)
     # assign: the saved tensors themselves (an fp32 trained weight stays fp32 over a bf16 base)
-    model.load_state_dict(ck["model"], strict=not ck.get("base"), assign=True)
+    unknown = model.load_state_dict(ck["model"], strict=not ck.get("base"), assign=True)[1]
+    if unknown:   # (a light checkpoint holds some of the model's tensors, and only those)
+        raise ValueError(f"tensors {unknown[:3]} of the checkpoint are not the model's")
     if model.upper.cfg.tie_embeddings:   # assign made the head a Parameter of its own: one again
         model.upper.output.weight = model.upper.tok_embeddings.weight
     return model
@@ -246,14 +252,18 @@ def load_sharedllm(path, device="cpu", dtype="auto", **shared):
         raise FileNotFoundError(f"{path}: neither a train.py checkpoint (ckpt.pt) nor a LLaMA "
                                 "folder (config.json) or .gguf file")
     ck = None if folder else read_checkpoint(ckpt_file)
-    cfg = ck["config"] if ck else {}
+    cfg = {**ck["config"], "base": ck.get("base")} if ck else {}   # (base: None from scratch)
     if dtype == "auto":
-        pretrained = cfg.get("init_from") != "scratch"
+        pretrained = cfg.get("base", path)   # (a folder: its path)
         dtype = "bfloat16" if pretrained and str(device).startswith("cuda") else "float32"
     dtype = getattr(torch, dtype)
     if ck:
+        trained = ck["model_args"]["shared"]
+        if any(shared.get(k, trained[k]) != trained[k] for k in ("n_lower", "chunk_size")):
+            raise ValueError(f"{ckpt_file}: its weights were trained for M = {trained['n_lower']},"
+                             f" C = {trained['chunk_size']}")
         model, tok = sharedllm_from_checkpoint(ck, dtype), load_tokenizer(ck["tokenizer"])
-        model.scfg = SharedConfig(**{**ck["model_args"]["shared"], **shared})
+        model.scfg = SharedConfig(**{**trained, **shared})
     else:
         model = SharedLLM(load_llama(path, "cpu", dtype), SharedConfig(**shared))
         tok = load_tokenizer(path)
@@ -264,7 +274,7 @@ if __name__ == "__main__":   # python load_llama.py PATH [--prompt=...]: load, g
     import decode
     path, prompt = sys.argv[1], "The capital of France is"
     prompt = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--prompt=")), prompt)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = auto_device("auto")
     tok, model = load_tokenizer(path), load_llama(path, dev, torch.bfloat16 if dev == "cuda"
                                                   else torch.float32)
     print(f"{path}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "

@@ -21,7 +21,7 @@ import decode
 import plots
 import tree
 from configurator import config_of, package_path, parse_overrides
-from load_llama import load_sharedllm
+from load_llama import auto_device, load_sharedllm
 from model import apply_rope, split_heads
 
 # -----------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def cross_attention_picture(model, memory, idx, path, key_at):
 
 
 def main(g):
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if g["device"] == "auto" else g["device"]
+    dev = auto_device(g["device"])
     shared = {k: g[k] for k in ("n_lower", "chunk_size", "height", "beta", "policy") if g[k]}
     model, tok, _ = load_sharedllm(package_path(g["init_from"]), dev, g["dtype"], **shared)
     torch.manual_seed(g["seed"])
@@ -149,9 +149,9 @@ def main(g):
         text = g["context"]
         if text.startswith("FILE:"):
             text = open(package_path(text[5:]), encoding="utf-8").read()
-        ids, prompt_ids = tok.encode(text), tok.encode(g["prompt"], bos=False)
-        if len(ids) < C or not prompt_ids:
-            raise SystemExit(f"--context: {len(ids)} tokens, --prompt: {len(prompt_ids)}; the "
+        ids = tok.encode(text)
+        if len(ids) < C or not g["prompt"]:
+            raise SystemExit(f"--context: {len(ids)} tokens, --prompt: {g['prompt']!r}; the "
                              f"context needs a chunk of C = {C} tokens, the prompt a token")
         if len(ids) % C:   # only whole chunks are compressed: the oldest tokens are left out
             print(f"note: the first {len(ids) % C} context tokens do not fill a chunk of {C}")

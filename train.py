@@ -27,7 +27,7 @@ import torch
 import data
 from configurator import (config_of, package_path, parse_list, parse_overrides,
                           parse_schedule, scheduled)
-from load_llama import (PRESETS, load_llama, load_tokenizer, read_checkpoint,
+from load_llama import (PRESETS, auto_device, load_llama, load_tokenizer, read_checkpoint,
                         sharedllm_from_checkpoint)
 from model import Llama, LlamaConfig, SharedConfig, SharedLLM
 
@@ -92,24 +92,29 @@ activation_checkpointing = False   # recompute each upper block in backward: mem
 # -----------------------------------------------------------------------------
 config = config_of(globals())
 parse_overrides(sys.argv[1:], config, __file__)   # recipe files, then --name=value flags
+ckpt = None
+if config["init_from"] == "resume":   # the run's own settings, then this command's on top
+    ckpt = read_checkpoint(os.path.join(config["out_dir"], "ckpt.pt"))
+    config = parse_overrides(sys.argv[1:], dict(ckpt["config"]), __file__, echo=False)
 globals().update(config)
+if train not in ("all", "cross", "cross+top"):
+    raise SystemExit(f"--train={train}: expected all, cross or cross+top")
 
 # setup: processes (torchrun: one per GPU, or CPU processes over gloo), device, random streams
 ddp = int(os.environ.get("RANK", -1)) != -1
 rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
 master = rank == 0
-dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+dev = auto_device(device)
 if ddp:
     torch.distributed.init_process_group("nccl" if dev == "cuda" else "gloo")
     if dev == "cuda":
         dev = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(dev)
 dev_type = "cuda" if dev.startswith("cuda") else dev
-ckpt = read_checkpoint(os.path.join(out_dir, "ckpt.pt")) if init_from == "resume" else None
-if ckpt:   # what this run's checkpoints say it started from
-    config["init_from"] = ckpt["config"]["init_from"]
-pretrained = config["init_from"] != "scratch"
-dt = dtype if dtype != "auto" else ("bfloat16" if pretrained and dev_type == "cuda" else "float32")
+# a pretrained model's path (checkpoints then hold only what trains, and this); None from scratch
+base = ckpt.get("base") if ckpt else None if init_from == "scratch" else os.path.abspath(
+    package_path(init_from))
+dt = dtype if dtype != "auto" else ("bfloat16" if base and dev_type == "cuda" else "float32")
 autocast = nullcontext() if dt == "float32" else torch.autocast(dev_type, getattr(torch, dt))
 torch.manual_seed(seed + rank)
 rng = random.Random(seed + rank)   # the data stream
@@ -121,17 +126,15 @@ if master:
 # the model: SharedLLM's two models from one LLaMA, new, pretrained, or this run's to resume
 shared = dict(n_lower=n_lower, chunk_size=chunk_size, height=height, beta=beta, policy=policy,
               sigma=sigma, chunk_pos=chunk_pos, max_chunk_id=max_chunk_id, keep=keep)
-base = None   # a pretrained model's path: checkpoints then hold only what trains, and this
 if init_from == "scratch":
     tok = load_tokenizer(tokenizer)
     vocab = max(PRESETS[preset]["vocab_size"], tok.vocab_size)
     raw = SharedLLM(Llama(LlamaConfig(**{**PRESETS[preset], "vocab_size": vocab})),
                     SharedConfig(**shared))
-elif init_from == "resume":   # the checkpoint's model (its settings, not this run's flags)
-    raw, tok, base = (sharedllm_from_checkpoint(ckpt, getattr(torch, dt)),
-                      load_tokenizer(ckpt["tokenizer"]), ckpt.get("base"))
+elif init_from == "resume":   # the checkpoint's model
+    raw = sharedllm_from_checkpoint(ckpt, getattr(torch, dt))
+    tok = load_tokenizer(ckpt["tokenizer"])
 else:   # a LLaMA folder or .gguf: both models from this one checkpoint
-    base = os.path.abspath(package_path(init_from))
     raw = SharedLLM(load_llama(base, "cpu", getattr(torch, dt)), SharedConfig(**shared))
     tok = load_tokenizer(base)
 model_args = ckpt["model_args"] if ckpt else dict(llama=asdict(raw.upper.cfg), shared=shared)

@@ -65,7 +65,7 @@ def run(tmp_path, name, docs, *extra, crash_at=None, monkeypatch=None):
         with pytest.raises(KeyboardInterrupt):
             train(args, tmp_path)
         monkeypatch.setattr(data, "get_batch", get_batch)
-        args.append("--init_from=resume")
+        args = [f"--out_dir={out}", "--init_from=resume"]   # the run's own settings, restored
     train(args, tmp_path)
     return out
 
