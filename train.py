@@ -111,9 +111,9 @@ if ddp:
         dev = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(dev)
 dev_type = "cuda" if dev.startswith("cuda") else dev
-# a pretrained model's path (checkpoints then hold only what trains, and this); None from scratch
-base = ckpt.get("base") if ckpt else None if init_from == "scratch" else os.path.abspath(
-    package_path(init_from))
+base = None   # a pretrained model's path: checkpoints then hold only what trains, and this path
+if ckpt or init_from != "scratch":
+    base = ckpt.get("base") if ckpt else os.path.abspath(package_path(init_from))
 dt = dtype if dtype != "auto" else ("bfloat16" if base and dev_type == "cuda" else "float32")
 autocast = nullcontext() if dt == "float32" else torch.autocast(dev_type, getattr(torch, dt))
 torch.manual_seed(seed + rank)
@@ -183,9 +183,11 @@ optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(0.9, beta2), weig
                               foreach=True)   # a few kernels for all tensors, also on a CPU
 scaler = torch.amp.GradScaler("cuda", enabled=dt == "float16")   # float16: no underflow
 ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
+# every name of each trained tensor (a tied head is the embedding: one tensor, two names)
 names = [[n for n, q in raw.named_parameters(remove_duplicate=False) if q is p] for p in params]
 iter_num = 0
-if ckpt:   # the optimizer, this process's random streams, and the raw weights (model: average)
+if ckpt:   # the optimizer, this process's random streams, and the raw weights (after the average,
+    # which the checkpoint's model holds, was copied above)
     optimizer.load_state_dict(ckpt["optimizer"])
     if "scaler" in ckpt:
         scaler.load_state_dict(ckpt["scaler"])
@@ -276,9 +278,9 @@ def log(**record):   # out_dir/log.jsonl (plots.py draws it)
         f.write(json.dumps(record) + "\n")
 
 
-# the training loop
-nonfinite = torch.zeros((), dtype=torch.bool, device=dev)   # read at log lines (a read per step
-loss_sum, loss_n = {}, {}                                    # stalls a GPU), as the losses are
+# the training loop. A non-finite loss, and the losses, are read at log lines only (a read per
+# step stalls a GPU)
+nonfinite, loss_sum, loss_n = torch.zeros((), dtype=torch.bool, device=dev), {}, {}
 start = last_line = time.time()
 start_iter = iter_num   # a resumed run does not evaluate its checkpoint again
 raw.train()
