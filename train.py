@@ -221,7 +221,7 @@ def evaluate(counts):
     # the upper model alone, on fixed samples (their own seeds: evals compare, and never touch the
     # training streams); text once it has started (lm_from)
     raw.eval()
-    trained_beta, raw.scfg.beta = raw.scfg.beta, beta   # always at the target compression
+    raw.scfg.beta = beta   # at the target compression (the next step sets its own again)
     out, lm_batches = {}, []
     lm_counts = [n for n in counts if n * chunk_size + block_size + 1 <= longest.get("val", 0)]
     if lm_counts and (task == "lm" or (task == "mixed" and iter_num > lm_from)):
@@ -258,7 +258,6 @@ def evaluate(counts):
             out[f"lm_loss@{n}"], out[f"lm_loss_noctx@{n}"] = losses
             out[f"ppl_ratio@{n}"] = math.exp(losses[0] - losses[1])
     raw.train()
-    raw.scfg.beta = trained_beta
     return out
 
 

@@ -81,6 +81,8 @@ def test_passkey_sample_and_where_the_tree_left_the_key():
         assert text.index("The pass key is 12345") == round(depth * (512 - 1 - needle))
         assert tok.decode(idx[:ql].tolist()) == data.QUESTION
         assert tok.decode(tgt[tgt != -100].tolist()) == "12345"
+        tgt = data.passkey_sample(tok, random.Random(0), 4, 128, 64, depth=depth, key=12345)[2]
+        assert tok.decode(tgt[tgt != -100].tolist()) == "12345"   # padded as in training too
     # chunks of 64: level 1 [0, 32), level 2 [32, 48), leaves [48, 56) and [56, 64)
     nodes = [[Node(0, 32, 1, 4), Node(32, 48, 2, 4), Node(48, 56, 3, 4), Node(56, 64, 3, 4)]] * 2
     place = lambda mentions: data.key_placement(nodes, mentions, 64)

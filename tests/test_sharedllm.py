@@ -19,6 +19,9 @@ V = 258
 def build(seed=0, wo_scale=0.0, **kw):   # -> an untrained SharedLLM, and a copy of its base LLaMA
     torch.manual_seed(seed)
     base = M.Llama(M.LlamaConfig(**{**PRESETS["micro"], "n_layers": 3})).eval()
+    for m in base.modules():   # norms unlike their init, as a pretrained model's
+        if isinstance(m, M.RMSNorm):
+            torch.nn.init.uniform_(m.weight, 0.5, 1.5)
     ref = copy.deepcopy(base)
     kw = dict(dict(n_lower=2, chunk_size=64, height=3, beta=4, policy="right", chunk_pos="plain"),
               **kw)
@@ -41,6 +44,9 @@ def test_untrained_sharedllm_equals_base_llama(policy):
     ql = torch.tensor([5, 9])
     with torch.no_grad():
         assert torch.equal(s(ctx, idx, question_len=ql)[0], ref(idx)[0])   # a zero wo: exact
+        for blk in s.upper.layers[:2]:   # the cross-attention starts as the layer's own attention
+            assert torch.equal(blk.cross_attention.wq.weight, blk.attention.wq.weight)
+            assert torch.equal(blk.cross_norm.weight, blk.attention_norm.weight)
         s2, _ = build(policy=policy, wo_scale=0.5)
         assert rel_err(ref(idx)[0], s2(ctx, idx, question_len=ql)[0]) > 1e-3
 
@@ -91,7 +97,7 @@ def encode_each_node_alone(ref, ctx, nodes, n_lower, keep):
 
 @pytest.mark.parametrize("kw", [dict(policy="vector", sigma=0.2), dict(policy="lexical"),
                                 dict(policy="right", n_lower=3, sigma=0.2),
-                                dict(policy="vector", n_lower=1, beta=1, keep="first")])
+                                dict(policy="vector", n_lower=1, beta=2, keep="first")])
 def test_compressed_kv_and_gradients_equal_encoding_each_node_alone(kw, monkeypatch):
     # the batched encoding (a level's nodes padded together, in calls of ENCODE_TOKENS, the last
     # block at the kept tokens only) in training, with noisy splits and a row without a question
@@ -113,6 +119,26 @@ def test_compressed_kv_and_gradients_equal_encoding_each_node_alone(kw, monkeypa
         if p.grad is not None:
             assert rel_err(p.grad, s.upper.get_parameter(name).grad) < 1e-5, name
     assert (mem.nodes[0][0].end != 32) == ("sigma" in kw)   # noisy splits were drawn
+    halves = [(0, 32), (32, 48), (48, 56), (56, 64)]   # ... in training only
+    assert [(nd.start, nd.end) for nd in s.eval().compress(ctx, idx).nodes[0]] == halves
+
+
+def test_each_upper_layer_reads_its_lower_layer_after_attention_before_the_mlp():
+    # the upper model written out (Eq. 3): layer i < M adds cross-attention over lower layer i's
+    # compressed K/V, its queries at chunk id n (Eq. 2), after self-attention, before the MLP
+    s, _ = build(wo_scale=0.5)
+    ctx, idx = data(n=3)
+    with torch.no_grad():
+        mem, up = s.compress(ctx, idx), s.upper
+        x, rope = up.tok_embeddings(idx), up.rope(torch.arange(idx.shape[1]))
+        for i, blk in enumerate(up.layers):
+            x = x + blk.attention(blk.attention_norm(x), rope)
+            if i < s.scfg.n_lower:
+                x = x + blk.cross_attention(blk.cross_norm(x), *mem.kv[i], mem.q_rope)
+            x = x + blk.feed_forward(blk.ffn_norm(x))
+        assert rel_err(up.output(up.norm(x)), up(idx, memory=mem)[0]) < 1e-6
+    for got, want in zip(mem.q_rope, up.rope(torch.full((2,), 3))):
+        assert torch.equal(got[:, 0, 0], want)
 
 
 def test_chunk_ids_make_order_visible_and_are_random_only_in_training():

@@ -52,6 +52,7 @@ def run(tmp_path, name, docs, *extra, crash_at=None, monkeypatch=None):
     # by a crash while drawing its crash_at-th training batch -> its folder
     out = tmp_path / name
     args = MICRO + ["--task=mixed", "--lm_from=2", "--context_dropout=0.5", f"--data_dir={docs}",
+                    "--passkey_frac=0",
                     "--max_iters=6", "--eval_interval=3", "--ema_decay=0.9", f"--out_dir={out}",
                     "--n_chunks=3", "--chunk_schedule=2:3", "--beta_schedule=2:3", *extra]
     if crash_at:
@@ -93,15 +94,20 @@ def test_evaluating_changes_nothing_in_training(tmp_path, docs):
     drop = lambda lines: [r for r in lines if "loss" in r]
     assert drop(training_lines(rare)) == drop(training_lines(often))
     assert [r["beta"] for r in drop(training_lines(rare))] == [2, 2, 2, 4, 4, 4]   # the schedule
+    assert [list(r["loss"]) for r in drop(training_lines(rare))] == [["passkey"]] * 2 + [["lm"]] * 4
 
 
-def test_accumulating_gradients_is_a_larger_batch(tmp_path):
+def test_accumulating_gradients_is_a_larger_batch(tmp_path, monkeypatch):
     common = MICRO + ["--task=passkey", "--chunk_pos=plain", "--max_iters=2", "--eval_interval=2",
                       "--ema_decay=0"]
+    norms, clip = [], torch.nn.utils.clip_grad_norm_   # the gradient's norm at each step
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: norms.append(
+        clip(*a, **k).item()))
     train(common + ["--out_dir=big"], tmp_path)
     train(common + ["--out_dir=acc", "--batch_size=1", "--gradient_accumulation_steps=2"], tmp_path)
     a, b = ckpt(tmp_path / "big")["model"], ckpt(tmp_path / "acc")["model"]
     assert all(rel_err(a[k], b[k]) < 1e-4 for k in a)
+    assert abs(norms[0] / norms[2] - 1) < 1e-4 and abs(norms[1] / norms[3] - 1) < 1e-4
 
 
 def test_the_average_restarts_when_text_joins(tmp_path, docs):
