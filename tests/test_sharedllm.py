@@ -10,7 +10,7 @@ import torch
 import decode
 import model as M
 import tree
-from conftest import rel_err
+from conftest import manual_attention, rel_err
 from load_llama import PRESETS
 
 V = 258
@@ -133,8 +133,11 @@ def test_each_upper_layer_reads_its_lower_layer_after_attention_before_the_mlp()
         x, rope = up.tok_embeddings(idx), up.rope(torch.arange(idx.shape[1]))
         for i, blk in enumerate(up.layers):
             x = x + blk.attention(blk.attention_norm(x), rope)
-            if i < s.scfg.n_lower:
-                x = x + blk.cross_attention(blk.cross_norm(x), *mem.kv[i], mem.q_rope)
+            if i < s.scfg.n_lower:   # its queries rotated to chunk id n, its K/V lower layer i's
+                ca = blk.cross_attention
+                q = M.split_heads(ca.wq(blk.cross_norm(x)), ca.n_heads, ca.head_dim)
+                y = manual_attention(M.apply_rope(q, *mem.q_rope), *mem.kv[i], False)
+                x = x + ca.wo(M.merge_heads(y))
             x = x + blk.feed_forward(blk.ffn_norm(x))
         assert rel_err(up.output(up.norm(x)), up(idx, memory=mem)[0]) < 1e-6
     for got, want in zip(mem.q_rope, up.rope(torch.full((2,), 3))):
