@@ -1,14 +1,13 @@
 """
-Time and memory of SharedLLM against context length, beside full attention over the same tokens
-with the same weights; then the paper's efficiency knobs (M, beta, tree height, the search) at one
-length, each measured in turn with the others, so that drift in the machine's speed hits all alike.
+Time (and on CUDA, memory) of SharedLLM against context length, beside full attention over the
+same tokens with the same weights; then the paper's efficiency knobs (M, beta, tree height, the
+search) at one length, each measured in turn with the others, so that drift hits all alike.
 
   python bench.py                                    # the tiny preset, 4K..128K context tokens
   python bench.py --shape=smollm2-135m --n_lower=4   # a real model's shape, random weights
   python bench.py --init_from=out --out=bench.json   # a trained model's weights
 """
 import json
-import os
 import statistics
 import sys
 import time
@@ -46,17 +45,12 @@ def sync(dev):
 
 
 def peak_mb(dev, reset=False):
-    # CUDA: the allocator's peak; Linux CPU: the process's peak resident memory (VmHWM), which
-    # writing 5 to clear_refs resets to what is resident now; elsewhere none (nan)
-    if dev.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats() if reset else None
-        return torch.cuda.max_memory_allocated() / 2**20
-    if not os.path.exists("/proc/self/clear_refs"):
+    # CUDA's allocator peak. None on a CPU: a process's resident peak (VmHWM) misreads it, as
+    # memory freed by one run is reused by the next (SharedLLM read 0 MB after full attention).
+    if not dev.startswith("cuda"):
         return float("nan")
-    if reset:
-        open("/proc/self/clear_refs", "w").write("5")
-    status = open("/proc/self/status").read()
-    return int(status.split("VmHWM:")[1].split()[0]) / 1024
+    torch.cuda.reset_peak_memory_stats() if reset else None
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
 @torch.no_grad()
@@ -68,7 +62,7 @@ def measure(fns, dev, reps):
         held = peak_mb(dev, reset=True)
         fn()
         sync(dev)
-        mem.append(max(0.0, peak_mb(dev) - held))
+        mem.append(peak_mb(dev) - held)
     for _ in range(reps):
         for fn, ts in zip(fns, times):
             t = time.perf_counter()
