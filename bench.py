@@ -16,7 +16,7 @@ import torch
 
 import model as M
 from configurator import config_of, package_path, parse_list, parse_overrides
-from load_llama import PRESETS, auto_device, load_sharedllm
+from load_llama import PRESETS, auto_device, auto_dtype, load_sharedllm
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
@@ -87,8 +87,7 @@ def build(g, dev, dt, **shared):
 
 def main(g):
     dev = auto_device(g["device"])
-    dt = getattr(torch, g["dtype"] if g["dtype"] != "auto" else
-                 ("bfloat16" if dev.startswith("cuda") else "float32"))
+    dt = getattr(torch, auto_dtype(g["dtype"], True, dev))   # timed as a pretrained model runs
     m = build(g, dev, dt)
     C, T, c = m.scfg.chunk_size, g["block_size"], m.upper.cfg
     gen = torch.Generator().manual_seed(g["seed"])   # the same random tokens at every run

@@ -145,15 +145,9 @@ def passkey_question(tok, key):
     # ends as the needle's first sentence does, "The pass key is 12345.", so the answer's tokens are
     # exactly the needle's: a tokenizer may fold the space into the key (GPT-2: ' 735', '12') or
     # make a token of it ('▁', '7', ...): it does the same in both. The question is every token
-    # before the first one that shows a digit; the answer runs to the key's end. Both "shows a
-    # digit" and "shows the whole key" only turn true as tokens are added: found by bisection, a few
-    # decodes per sample rather than one per prefix (this runs for every training sample).
-    ids = tok.encode(f"{QUESTION}{key}.", bos=False)
-    prefixes = range(len(ids) + 1)   # QUESTION holds no digit
-    q = bisect.bisect_left(prefixes, True,
-                           key=lambda i: any(c.isdigit() for c in tok.decode(ids[:i]))) - 1
-    end = bisect.bisect_left(prefixes, True, key=lambda i: str(key) in tok.decode(ids[:i]))
-    return ids[:q], ids[q:end]
+    # before the key's first (value_span).
+    ids, (start, end) = value_span(tok, f"{QUESTION}{key}.", str(key))
+    return ids[:start], ids[start:end]
 
 
 def passkey_sample(tok, rng, n_chunks, chunk_size, T=None, depth=None, key=None):
@@ -192,20 +186,11 @@ def key_mentions(ctx, answer):
     return [(i, i + k) for i in range(len(ctx) - k + 1) if ctx[i:i + k] == answer]
 
 
-def key_placements(nodes, ctx, tgt):
-    # key_placement for every haystack of a batch: nodes, the batch's Memory.nodes (B*n lists);
-    # ctx (B, n, C); tgt (B, T), the key's tokens scored
-    n, C = ctx.shape[1:]
-    return [key_placement(nodes[i * n:(i + 1) * n], key_mentions(row, t[t != -100].tolist()), C)
-            for i, (row, t) in enumerate(zip(ctx.flatten(1).tolist(), tgt))]
-
-
 def key_placement(nodes, mentions, C):
     # Where the context tree left the key of one haystack: "leaf" if one node of the finest level
     # holds a whole mention (its finest KVs), "coarse" if every token of every mention sits in a
     # level-1 node (the coarsest kept, where the search did not go), else "between". nodes: the
-    # preserved tree.Nodes of each of the haystack's chunks; mentions: [start, end) in the flattened
-    # context (key_mentions).
+    # haystack's chunks' preserved tree.Nodes; mentions: [start, end) in the flat context.
     if not mentions:
         raise ValueError("the haystack holds no mention of its key")
     height = max(nd.level for chunk in nodes for nd in chunk)
@@ -216,6 +201,15 @@ def key_placement(nodes, mentions, C):
         return "leaf"
     return ("coarse" if all(holder(p).level == 1 for a, b in mentions for p in range(a, b))
             else "between")
+
+
+def placement(nodes, values, C):
+    # where a tree left each asked value -> shares of "leaf", "between", "coarse": nodes as in
+    # key_placement; values, each value's mentions (a passkey: one value, named twice)
+    found = dict(leaf=0.0, between=0.0, coarse=0.0)
+    for mentions in values:
+        found[key_placement(nodes, mentions, C)] += 1 / len(values)
+    return found
 
 
 def collate(samples, tok):

@@ -161,13 +161,6 @@ def haystacks(tok, task, n, C, cell, g):
             yield (ctx, idx, None, ql), answers, [[s] for s in spans]
 
 
-def placement(nodes, mentions, C):   # where a tree left each asked value -> shares
-    found = dict(leaf=0.0, between=0.0, coarse=0.0)
-    for m in mentions:
-        found[data.key_placement(nodes, m, C)] += 1 / len(mentions)
-    return found
-
-
 @torch.no_grad()
 def score_cell(model, base, tok, task, n, C, cell, g, dev, row):
     # One cell: the mean score over its haystacks, and where SharedLLM's search left the asked
@@ -189,7 +182,7 @@ def score_cell(model, base, tok, task, n, C, cell, g, dev, row):
         if row == "SharedLLM":
             memory = model.compress(ctx, idx, ql)
             for j, (_, _, mentions) in enumerate(group):
-                for k, v in placement(memory.nodes[j * n:(j + 1) * n], mentions, C).items():
+                for k, v in data.placement(memory.nodes[j * n:(j + 1) * n], mentions, C).items():
                     found[k] += v
         elif row in ("window", "full"):   # the base model over the last W tokens
             W = g["window"] if row == "window" else n * C + T
@@ -216,8 +209,12 @@ def heatmap(grid, ns, cells, C):
     for d, _, _ in cells:
         lines.append(f"{d:>16.2f}" + "".join(
             f" {shades[min(9, int(grid[n, d] * 10))] * 3}{100 * grid[n, d]:4.0f}%" for n in ns))
-    mean = lambda n: 100 * sum(grid[n, d] for d, _, _ in cells) / len(cells)
-    return "\n".join(lines + [f"{'mean':>16}" + "".join(f"{mean(n):8.1f}%" for n in ns)])
+    return "\n".join(lines + [f"{'mean':>16}" + "".join(f"{depth_mean(grid, n, cells):8.1f}%"
+                                                        for n in ns)])
+
+
+def depth_mean(grid, n, cells):   # a context length's mean over the key depths, in percent
+    return 100 * sum(grid[n, d] for d, _, _ in cells) / len(cells)
 
 
 def run_grid(model, base, tok, tasks, ns, C, g, dev):
@@ -239,14 +236,12 @@ def run_grid(model, base, tok, tasks, ns, C, g, dev):
                                                                g, dev, row)
                     placed[n, cell[0]] = where if row == "SharedLLM" else placed[n, cell[0]]
         print(f"{task}, SharedLLM:\n{heatmap(grids['SharedLLM'], ns, cells, C)}")
-        mean = lambda grid, n: 100 * sum(grid[n, d] for d, _, _ in cells) / len(cells)
         for row in rows[1:]:
             got = [n for n in ns if (n, cells[0][0]) in grids[row]]
-            print(f"  {row}" + (f" ({base.label}, the last {W:,} tokens)" if row == "window"
-                                else "") + ": " + ", ".join(f"{n * C:,} tokens "
-                                                            f"{mean(grids[row], n):.1f}%"
-                                                            for n in got))
-        share = lambda n, k: 100 * sum(placed[n, d][k] for d, _, _ in cells) / len(cells)
+            label = f" ({base.label}, the last {W:,} tokens)" if row == "window" else ""
+            print(f"  {row}{label}: " + ", ".join(
+                f"{n * C:,} tokens {depth_mean(grids[row], n, cells):.1f}%" for n in got))
+        share = lambda n, k: depth_mean({nd: v[k] for nd, v in placed.items()}, n, cells)
         print(f"  where the search ({model.scfg.policy!r}) left it, leaf / coarse node alone: "
               + ", ".join(f"{n * C:,} tokens {share(n, 'leaf'):.1f} / {share(n, 'coarse'):.1f}%"
                           for n in ns))
@@ -286,7 +281,7 @@ def run_search(model, tok, tasks, ns, C, g, dev):
                             select = model.search_policy(ctx.to(dev), idx[None].to(dev),
                                                          torch.tensor([ql]))
                         nodes = tree.search(n, C, trained.height, trained.beta, select)
-                        for k, v in placement(nodes, mentions, C).items():
+                        for k, v in data.placement(nodes, mentions, C).items():
                             found[k] += v / (g["samples"] * len(cells))
                 res.append(dict(search=name, task=task, n_chunks=n, context_tokens=n * C, **found))
                 line += f"{100 * found['leaf']:15.1f} / {100 * found['coarse']:5.1f}%"

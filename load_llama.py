@@ -108,9 +108,13 @@ def build(cfg, sd, ours, source, device, dtype):
     if cfg.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_embeddings:   # assign=True made two Parameters of one tensor: make them one again
-        model.output.weight = model.tok_embeddings.weight
-    return model.eval()
+    return retie(model).eval()
+
+
+def retie(llama):   # assign=True made the tied head a Parameter of its own: one again
+    if llama.cfg.tie_embeddings:
+        llama.output.weight = llama.tok_embeddings.weight
+    return llama
 
 # -----------------------------------------------------------------------------
 # GGUF files (llama.cpp): metadata keys and tensor names are llama.cpp's
@@ -171,6 +175,11 @@ def load_gguf(path, device="cpu", dtype=torch.float32):
 
 def auto_device(device):   # "auto": CUDA where there is one, else the CPU
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def auto_dtype(dtype, pretrained, device):   # "auto": bfloat16 for a pretrained model on CUDA
+    cuda = str(device).startswith("cuda")      # (what trains from scratch stays float32)
+    return ("bfloat16" if pretrained and cuda else "float32") if dtype == "auto" else dtype
 
 
 # Named model shapes (train.py --preset, bench.py --shape)
@@ -235,8 +244,7 @@ def sharedllm_from_checkpoint(ck, dtype=torch.float32):
     unknown = model.load_state_dict(ck["model"], strict=not ck.get("base"), assign=True)[1]
     if unknown:   # (a light checkpoint holds some of the model's tensors, and only those)
         raise ValueError(f"tensors {unknown[:3]} of the checkpoint are not the model's")
-    if model.upper.cfg.tie_embeddings:   # assign made the head a Parameter of its own: one again
-        model.upper.output.weight = model.upper.tok_embeddings.weight
+    retie(model.upper)
     return model
 
 
@@ -253,10 +261,8 @@ def load_sharedllm(path, device="cpu", dtype="auto", **shared):
                                 "folder (config.json) or .gguf file")
     ck = None if folder else read_checkpoint(ckpt_file)
     cfg = {**ck["config"], "base": ck.get("base")} if ck else {}   # (base: None from scratch)
-    if dtype == "auto":
-        pretrained = cfg.get("base", path)   # (a folder: its path)
-        dtype = "bfloat16" if pretrained and str(device).startswith("cuda") else "float32"
-    dtype = getattr(torch, dtype)
+    pretrained = cfg.get("base", path)   # (a folder: its path)
+    dtype = getattr(torch, auto_dtype(dtype, pretrained, device))
     if ck:
         trained = ck["model_args"]["shared"]
         if any(shared.get(k, trained[k]) != trained[k] for k in ("n_lower", "chunk_size")):

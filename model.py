@@ -410,7 +410,7 @@ def gather_spans(rows, row_ids, spans):
 # Step 1, ours, in every recipe: each tree heads for where the context repeats the question, no
 # weights read. lexical_targets states it; lexical_targets_batched runs it (tested equal). Measured
 # on byte passkeys, the share with the key in a leaf at 1K / 64K context tokens (docs/results.md):
-NGRAM_MAX = 8   # runs of 1..8 tokens (4: 70 / 71%, 6: 79 / 75%, 8: 81 / 79%, 16: 82 / 80%)
+NGRAM_MAX = 8   # 4: 70 / 71%, 6: 79 / 75%, 8: 81 / 79%; 16: 82 / 80% for twice the passes
 
 
 def lexical_targets(context, question, C):
@@ -418,7 +418,7 @@ def lexical_targets(context, question, C):
     # for. score(t) = sum over the runs of k <= NGRAM_MAX tokens ending at t that the question
     # holds of late / count: count, the run's occurrences in the context, so each run has one vote
     # to share (a rare run gives it all to one place, filler spreads it thin, and no vote grows
-    # with the context, as BM25's log(N / count) does: 78 / 49%, 14% in the coarse node alone);
+    # with the context as BM25's log(N / count) does, which read 78 / 78%: bounded is simpler);
     # late, where the run's last copy ends in the question over |Q|, as its last words are the
     # answer's cue, "The pass key is" (votes alike: 58 / 51%). A longer match also wins by its
     # sub-runs. In units of 2^-20: integer sums are exact, and equal windows tie.
@@ -431,8 +431,8 @@ def lexical_targets(context, question, C):
             score[t] += round(2 ** 20 * late.get(run, 0) / count[run])
     # The answer follows its cue: a position's evidence is the score of the W = |Q|/4 tokens before
     # it, across chunk borders (|Q|/8: 78 / 77%; |Q|/2 loses RULER's essay task, 48% not 57%); a
-    # tree heads for its chunk's first position with the most, right after the cue (none: right).
-    # E.g. question 3 9 4 5 in a chunk 7 3 9 4 5 8 2 6: W = 1, the most evidence is at the 8.
+    # tree heads for its chunk's first position with the most (none: C - 1, right at every level).
+    # E.g. Q = 3 9 4 5, chunk 7 3 9 4 5 8 2 6: scores .25 1 2.25 4 at 3 9 4 5, W = 1: the 8 wins.
     W = max(1, len(question) // 4)
     evidence = [sum(score[max(0, p - W):p]) for p in range(len(context))]
     chunks = [evidence[c:c + C] for c in range(0, len(context), C)]
@@ -441,8 +441,8 @@ def lexical_targets(context, question, C):
 
 def lexical_targets_batched(rows, idx, question_len, vocab_size):
     # lexical_targets for each sample: rows (B*n, C) its chunks, idx (B, T) its question first.
-    # J[t] = 1 + where the run of k tokens ending at t last ends in the question (0: nowhere): from
-    # the J of the k - 1 tokens before t and of t's own token, by a table built from the question.
+    # J[t] = 1 + where the run of k tokens ending at t last ends in the question (0: nowhere). The
+    # pair (J of the k - 1 tokens before t, J of t's token) names the run: a table maps it to J.
     (R, C), B, dev = rows.shape, idx.shape[0], rows.device
     T, q_len = int(question_len.max()), question_len.to(dev)[:, None]   # (T: on the host)
     ctx, q, at = rows.reshape(B, -1), idx[:, :T], torch.arange(T + 1, device=dev)
@@ -456,7 +456,7 @@ def lexical_targets_batched(rows, idx, question_len, vocab_size):
             key_q, key_c = (torch.add(tok, J[:, :-1], alpha=T + 1)
                             for tok, J in ((tok_q, J_q), (tok_c, J_c)))
             table = torch.zeros(B, (T + 1) ** 2, dtype=torch.long, device=dev).scatter_reduce_(
-                1, key_q, place * (key_q > T) * (tok_q > 0), "amax")
+                1, key_q, place * (key_q > T), "amax")
             torch.gather(table, 1, key_q, out=J_q[:, 1:])
             torch.gather(table, 1, key_c, out=J_c[:, 1:])
         # a run's vote, shared by its occurrences in X_C: the context positions with its J

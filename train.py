@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -27,8 +28,8 @@ import torch
 import data
 from configurator import (config_of, package_path, parse_list, parse_overrides,
                           parse_schedule, scheduled)
-from load_llama import (PRESETS, auto_device, load_llama, load_tokenizer, read_checkpoint,
-                        sharedllm_from_checkpoint)
+from load_llama import (PRESETS, auto_device, auto_dtype, load_llama, load_tokenizer,
+                        read_checkpoint, sharedllm_from_checkpoint)
 from model import Llama, LlamaConfig, SharedConfig, SharedLLM
 
 # -----------------------------------------------------------------------------
@@ -114,7 +115,7 @@ dev_type = "cuda" if dev.startswith("cuda") else dev
 base = None   # a pretrained model's path: checkpoints then hold only what trains, and this path
 if ckpt or init_from != "scratch":
     base = ckpt.get("base") if ckpt else os.path.abspath(package_path(init_from))
-dt = dtype if dtype != "auto" else ("bfloat16" if base and dev_type == "cuda" else "float32")
+dt = auto_dtype(dtype, base, dev)
 autocast = nullcontext() if dt == "float32" else torch.autocast(dev_type, getattr(torch, dt))
 torch.manual_seed(seed + rank)
 rng = random.Random(seed + rank)   # the data stream
@@ -234,7 +235,7 @@ def evaluate(counts):
     for n in counts:
         erng = random.Random(1000 + n)
         if task in ("passkey", "mixed"):
-            hits, found = [0, 0], dict(leaf=0, between=0, coarse=0)
+            hits, found = [0, 0], Counter()   # where the search left the key
             for _ in range(eval_iters):
                 ctx, idx, tgt, ql = data.get_batch("passkey", batch_size, erng, tok, splits, n,
                                                    chunk_size, None)
@@ -244,8 +245,9 @@ def evaluate(counts):
                     both = raw.upper(idx, memory=memory)[0], raw.upper(idx)[0]
                 for j, logits in enumerate(both):
                     hits[j] += data.exact_match(logits, tgt).sum().item()
-                for where in data.key_placements(memory.nodes, ctx, tgt):   # where the search
-                    found[where] += 1                                         # left the key
+                for i, (row, t) in enumerate(zip(ctx.flatten(1).tolist(), tgt)):
+                    key = data.key_mentions(row, t[t != -100].tolist())
+                    found.update(data.placement(memory.nodes[i * n:(i + 1) * n], [key], chunk_size))
             scale = eval_iters * batch_size
             out[f"passkey@{n}"], out[f"passkey_noctx@{n}"] = (h / scale for h in hits)
             out[f"leaf@{n}"], out[f"coarse@{n}"] = (found[k] / scale for k in ("leaf", "coarse"))
@@ -290,8 +292,11 @@ while True:
         mine = dict(data=rng.getstate(), tree=random.getstate(), torch=torch.get_rng_state(),
                     **(dict(cuda=torch.cuda.get_rng_state()) if dev_type == "cuda" else {}))
         rngs = [mine] * world
-        if ddp:   # every process's streams, so that each goes on exactly (a collective)
-            torch.distributed.all_gather_object(rngs, mine)
+        if ddp:   # every process's streams, so that each goes on exactly; and a non-finite loss
+            torch.distributed.all_gather_object(rngs, mine)   # on any process (its gradient
+            bad = nonfinite.to(torch.int32)                    # reached every process's weights)
+            torch.distributed.all_reduce(bad, torch.distributed.ReduceOp.MAX)
+            nonfinite |= bad.bool()
         if master:
             check_finite()
             state = raw.state_dict()
@@ -356,7 +361,8 @@ while True:
             torch._foreach_copy_(ema, params)
     if iter_num % log_interval == 0 and master:
         check_finite()
-        now, ms = time.time(), 1000 * (time.time() - last_line) / log_interval
+        now = time.time()
+        ms = 1000 * (now - last_line) / log_interval
         losses = {k: (loss_sum[k] / loss_n[k]).item() for k in sorted(loss_sum, reverse=True)}
         loss_sum, loss_n = {}, {}
         toks = gradient_accumulation_steps * batch_size * world * (n * chunk_size + idx.shape[1])
