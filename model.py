@@ -122,11 +122,12 @@ class CrossAttention(nn.Module):
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, k, v, q_rope):
-        # x: (B, T, dim); k, v: a lower layer's compressed context, (B, Hkv, all kept KVs, hd);
-        # q_rope: the queries' rotation to their chunk id. No mask: X_C precedes X_D.
-        q = apply_rope(split_heads(self.wq(x), self.n_heads, self.head_dim), *q_rope)   # B,Hq,T,hd
-        return self.wo(merge_heads(attention(q, k, v, causal=False)))
+    def queries(self, x, q_rope):   # x: (B, T, dim) -> (B, Hq, T, hd), rotated to their chunk id
+        return apply_rope(split_heads(self.wq(x), self.n_heads, self.head_dim), *q_rope)
+
+    def forward(self, x, k, v, q_rope):   # k, v: a lower layer's compressed context, (B, Hkv, all
+        # kept KVs, hd). No mask: X_C precedes X_D.
+        return self.wo(merge_heads(attention(self.queries(x, q_rope), k, v, causal=False)))
 
 
 class FeedForward(nn.Module):
@@ -220,9 +221,8 @@ class SharedConfig:
                              "chunk_pos random, plain, off; M, C / 2^h >= 1; 1 <= beta <= C/(h+1)")
 
 
-# a compressed context, what the upper model's cross-attention reads: kv, per lower layer (K, V),
-# each (B, Hkv, n * KVs kept per chunk, hd); q_rope, the X_D queries' rotation (cos, sin), each
-# (B, 1, 1, hd); nodes, per (batch item, chunk), its preserved tree.Nodes
+# a compressed context: kv, per lower layer (K, V), each (B, Hkv, n * KVs a chunk, hd); q_rope,
+# X_D's rotation (cos, sin), each (B, 1, 1, hd); nodes, per (sample, chunk), its tree.Nodes
 Memory = namedtuple("Memory", "kv q_rope nodes")
 
 

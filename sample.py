@@ -22,7 +22,6 @@ import plots
 import tree
 from configurator import config_of, package_path, parse_overrides
 from load_llama import auto_device, load_sharedllm
-from model import apply_rope, split_heads
 
 # -----------------------------------------------------------------------------
 # config: every name below can be overridden with --name=value
@@ -109,8 +108,7 @@ def cross_attention_picture(model, memory, idx, path, key_at):
     weights = []
     for i, (x, k, v, q_rope) in sorted(inputs.items()):   # CrossAttention.forward's arguments
         ca = model.upper.layers[i].cross_attention
-        q = split_heads(ca.wq(x[:1, -1:]), ca.n_heads, ca.head_dim)     # (1, Hq, 1, hd)
-        q = apply_rope(q, *[t[:1] for t in q_rope])[0, :, 0]
+        q = ca.queries(x[:1, -1:], [t[:1] for t in q_rope])[0, :, 0]     # (Hq, hd)
         k = k[0].repeat_interleave(q.shape[0] // k.shape[1], dim=0)     # (Hq, n*S, hd)
         weights.append(((k.float() @ q.float()[:, :, None])[..., 0]
                         / q.shape[-1] ** 0.5).softmax(-1))              # (Hq, n*S)
