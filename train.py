@@ -192,12 +192,12 @@ if ckpt:   # the optimizer, this process's random streams, and the raw weights (
     optimizer.load_state_dict(ckpt["optimizer"])
     if "scaler" in ckpt:
         scaler.load_state_dict(ckpt["scaler"])
-    iter_num, state = ckpt["iter_num"], ckpt["rngs"][rank]
-    rng.setstate(state["data"])
-    random.setstate(state["tree"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
+    iter_num, streams = ckpt["iter_num"], ckpt["rngs"][rank]   # this process's random streams
+    rng.setstate(streams["data"])
+    random.setstate(streams["tree"])
+    torch.set_rng_state(streams["torch"])
+    if "cuda" in streams:
+        torch.cuda.set_rng_state(streams["cuda"])
     if "raw" in ckpt:
         with torch.no_grad():
             for p, ns in zip(params, names):
