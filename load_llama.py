@@ -280,8 +280,9 @@ if __name__ == "__main__":   # python load_llama.py PATH [--prompt=...]: load, g
     import decode
     path, prompt = sys.argv[1], "The capital of France is"
     prompt = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--prompt=")), prompt)
-    dev, dtype = auto_device("auto"), auto_dtype("auto", True, auto_device("auto"))
-    tok, model = load_tokenizer(path), load_llama(path, dev, getattr(torch, dtype))
+    dev = auto_device("auto")
+    dtype = getattr(torch, auto_dtype("auto", True, dev))
+    tok, model = load_tokenizer(path), load_llama(path, dev, dtype)
     print(f"{path}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{model.cfg}")
     idx = torch.tensor([tok.encode(prompt)], device=dev)

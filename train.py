@@ -192,7 +192,7 @@ if ckpt:   # the optimizer, this process's random streams, and the raw weights (
     optimizer.load_state_dict(ckpt["optimizer"])
     if "scaler" in ckpt:
         scaler.load_state_dict(ckpt["scaler"])
-    iter_num, streams = ckpt["iter_num"], ckpt["rngs"][rank]   # this process's random streams
+    iter_num, streams = ckpt["iter_num"], ckpt["rngs"][rank]
     rng.setstate(streams["data"])
     random.setstate(streams["tree"])
     torch.set_rng_state(streams["torch"])
