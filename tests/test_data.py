@@ -139,7 +139,7 @@ def test_text_windows_stay_in_one_document_and_sources_are_drawn_evenly(tmp_path
         if text[0] != "b":   # one document, in order
             assert any(text in (a / f).read_text() for f in os.listdir(a))
     assert 0.4 < drawn.count("b") / 300 < 0.6   # 2 of 20 training documents, half the samples
-    with pytest.raises(ValueError, match="no document has"):
+    with pytest.raises(ValueError):
         data.lm_sample(splits["train"], rng, 100, 100, 0)
 
 
