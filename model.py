@@ -1,8 +1,9 @@
-"""LLaMA in one file, and SharedLLM ("Two Are Better than One", ICLR 2025) on top of it. One LLaMA
-gives two models: the LOWER (its bottom M layers) compresses the past context X_C, chunk by chunk,
-each chunk a context tree (tree.py) whose preserved nodes keep a few key/values, coarse for big
-nodes, fine for small ones; the UPPER (the whole LLaMA) reads the running text X_D and, in its
-bottom M layers, cross-attends to them. SharedLLM.compress runs the paper's steps 1-4."""
+"""LLaMA in one file, and SharedLLM on top of it (Han et al., "Stacked from One", ICLR 2026; this
+follows arXiv 2410.19318, then "Two Are Better than One"). One LLaMA gives two models: the LOWER
+(its bottom M layers) compresses the past context X_C, chunk by chunk, each chunk a context tree
+(tree.py) whose preserved nodes keep a few key/values, coarse for big nodes, fine for small ones;
+the UPPER (the whole LLaMA) reads the running text X_D and, in its bottom M layers, cross-attends
+to them. SharedLLM.compress runs the paper's steps 1-4."""
 from collections import Counter, namedtuple
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ try:
     from flash_attn import flash_attn_func
 except ImportError:
     flash_attn_func = None
-ENCODE_TOKENS = 4096   # step 3 encodes the preserved nodes in calls of about this many tokens
+ENCODE_TOKENS = 4096   # tokens a step 3 call encodes: its memory bounded; other sizes no faster
 
 # ---------------------------------------------- LLaMA -------------------------------------------
 @dataclass
@@ -50,8 +51,7 @@ class RMSNorm(nn.Module):
 
 # RoPE with explicit position ids (SharedLLM adds one id per chunk, Step 4). A rotated pair is
 # the two halves (x_i, x_{i+hd/2}), as HF checkpoints store wq/wk (Meta's: interleaved pairs).
-def rope_cos_sin(pos, head_dim, theta):
-    # pos: integer tensor (...) -> cos, sin: (..., head_dim) each, fp32
+def rope_cos_sin(pos, head_dim, theta):   # pos: integers (...) -> cos, sin: (..., head_dim), fp32
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim))
     angles = pos.float()[..., None] * inv_freq            # (..., head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)          # (..., head_dim), one angle per pair
@@ -66,19 +66,17 @@ def apply_rope(x, cos, sin):
 
 
 def attention(q, k, v, causal, mask=None):
-    # softmax(q k^T / sqrt(hd)) v (tests/test_llama.py writes it out). q: (B, Hq, Tq, hd); k, v:
-    # (B, Hkv, Tk, hd), Hkv dividing Hq (grouped-query). causal with Tq < Tk: the queries are the
-    # LAST Tq positions. mask: (B, 1, Tq, Tk), True where a query may read a key (lower_kv_kept).
-    # flash-attn where it runs (installed, CUDA, half precision, no mask: it wants (B, T, H, hd),
-    # aligns causal masks bottom-right and does GQA), else PyTorch's SDPA.
+    # softmax(q k^T / sqrt(hd)) v (tests write it out). q: (B, Hq, Tq, hd); k, v: (B, Hkv, Tk, hd),
+    # Hkv dividing Hq (grouped-query). causal, Tq < Tk: the queries are the LAST Tq positions. mask:
+    # (B, 1, Tq, Tk), True where a query may read a key. flash-attn where it runs (installed, CUDA,
+    # half precision, no mask; it takes (B, T, H, hd), aligns causal masks bottom-right), else SDPA.
     if flash_attn_func and q.is_cuda and q.dtype != torch.float32 and mask is None:
         y = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=causal)
         return y.transpose(1, 2)
     Tq, Tk = q.shape[2], k.shape[2]
     if causal and Tq != Tk:  # bottom-right aligned: query i sits at key position i + Tk - Tq
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                          is_causal=causal and mask is None,
+    return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal and mask is None,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -99,13 +97,11 @@ class SelfAttention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def kv(self, x, cos, sin):
-        # x: (B, T, dim) -> K (rotated), V: (B, Hkv, T, hd) each
+    def kv(self, x, cos, sin):   # x: (B, T, dim) -> K (rotated), V: (B, Hkv, T, hd) each
         k, v = (split_heads(w(x), self.n_kv_heads, self.head_dim) for w in (self.wk, self.wv))
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, rope, cache=None):
-        # x: (B, T, dim); rope: (cos, sin) of its positions; cache: decode.KVCache or None
+    def forward(self, x, rope, cache=None):   # x: (B, T, dim); rope: (cos, sin); decode.KVCache
         q = apply_rope(split_heads(self.wq(x), self.n_heads, self.head_dim), *rope)   # B,Hq,T,hd
         k, v = self.kv(x, *rope)
         if cache is not None:   # decoding: the queries are the LAST T positions of the cache
@@ -114,8 +110,8 @@ class SelfAttention(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    # Upper layer -> compressed context (Eq. 3). A query and an output projection of its own, and
-    # no key/value projections: K/V are the lower model's self-attention K (rotated) and V.
+    # Upper layer -> compressed context (Eq. 3). A query and an output projection of its own (made
+    # in SharedLLM), no key/value projections: K/V are a lower layer's self-attention K and V.
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
@@ -125,8 +121,7 @@ class CrossAttention(nn.Module):
     def queries(self, x, q_rope):   # x: (B, T, dim) -> (B, Hq, T, hd), rotated to their chunk id
         return apply_rope(split_heads(self.wq(x), self.n_heads, self.head_dim), *q_rope)
 
-    def forward(self, x, k, v, q_rope):   # k, v: a lower layer's compressed context, (B, Hkv, all
-        # kept KVs, hd). No mask: X_C precedes X_D.
+    def forward(self, x, k, v, q_rope):   # k, v: (B, Hkv, kept KVs, hd); no mask: X_C precedes X_D
         return self.wo(merge_heads(attention(self.queries(x, q_rope), k, v, causal=False)))
 
 
@@ -150,8 +145,7 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.cross_norm = self.cross_attention = None   # SharedLLM adds them to the bottom M
 
-    def forward(self, x, rope, cache=None, cross=None):
-        # self-attention, then cross-attention (the bottom M layers of the upper model), then MLP
+    def forward(self, x, rope, cache=None, cross=None):   # attention, cross-attention (if M), MLP
         x = x + self.attention(self.attention_norm(x), rope, cache)
         if cross is not None:
             x = x + self.cross_attention(self.cross_norm(x), *cross)
@@ -177,16 +171,15 @@ class Llama(nn.Module):
         return rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
 
     def forward(self, idx, targets=None, start_pos=0, caches=None, memory=None, last=0):
-        # idx: (B, T) token ids at positions start_pos.. (X_D starts at 0); memory: a compressed
-        # context (SharedLLM.compress) or None; last: logits for the last `last` positions only
+        # idx, targets: (B, T) at positions start_pos.. (X_D starts at 0), targets -100 where not
+        # scored (data.py: question, padding); memory: compress's or None; last: the last logits
         T = idx.shape[1]
         assert caches is None or caches[0].length == start_pos, "decode in order: start_pos"
         rope = self.rope(torch.arange(start_pos, start_pos + T, device=idx.device))
         x = self.tok_embeddings(idx)
         for i, layer in enumerate(self.layers):
-            cross = None
-            if memory is not None and layer.cross_attention is not None:   # reads lower layer i
-                cross = (*memory.kv[i], memory.q_rope)
+            reads = memory is not None and layer.cross_attention is not None   # lower layer i
+            cross = (*memory.kv[i], memory.q_rope) if reads else None
             cache = None if caches is None else caches[i]
             if self.checkpointing and self.training:   # recompute in backward: memory for time
                 x = torch.utils.checkpoint.checkpoint(layer, x, rope, cache, cross,
@@ -195,7 +188,7 @@ class Llama(nn.Module):
                 x = layer(x, rope, cache, cross)
         logits = self.output(self.norm(x[:, -last:] if last else x)).float()
         if targets is None:
-            return logits, None   # targets: (B, T); -100 marks positions that are not scored
+            return logits, None
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 # -------------------------------------------- SharedLLM -----------------------------------------
@@ -206,7 +199,7 @@ class SharedConfig:
     chunk_size: int = 1024  # C: tokens per context chunk (paper: 1024 LM, 512 SFT)
     height: int = 3         # h: levels of the context tree below the root
     beta: float = 8.0       # the overall compression: C / (KVs kept per chunk)
-    policy: str = "lexical"   # pi, step 1: "lexical" (ours); "vector" (the paper's), "right"
+    policy: str = "lexical"   # pi: "lexical" (ours); the paper's "vector" (questions), "right" (LM)
     sigma: float = 0.0      # split noise in training, a fraction of l (Table 6: l/5 = 0.2; tree.py)
     chunk_pos: str = "random"   # Eq. 2: "random" (ours), "plain" (paper), "off"; chunk_positions
     max_chunk_id: int = 1024   # "random": the largest id drawn in training
@@ -243,14 +236,14 @@ class SharedLLM(nn.Module):
                 blk.cross_attention.wq.weight.copy_(blk.attention.wq.weight)
                 blk.cross_attention.wo.weight.zero_()
 
-    def forward(self, context, idx, targets=None, question_len=None):
+    def forward(self, context, idx, targets=None, question_len=None, beta=None):
         # context: (B, n, C) or None; idx, targets: (B, T) -> logits (B, T, vocab), loss
-        memory = None if context is None else self.compress(context, idx, question_len)
+        memory = None if context is None else self.compress(context, idx, question_len, beta)
         return self.upper(idx, targets, memory=memory)
 
-    def compress(self, context, idx=None, question_len=None):
+    def compress(self, context, idx=None, question_len=None, beta=None):
         # Sec. 3.2-3.3, a step a line. context: (B, n, C), X_C; idx: (B, T), X_D; question_len:
-        # (B,), on the host (no wait for a GPU), the question's length at X_D's start (0: none)
+        # (B,), on the host, the question's length at X_D's start (0: none); beta: or the config's
         B, n, C = context.shape
         assert C == self.scfg.chunk_size, f"chunks of {C} tokens, not {self.scfg.chunk_size}"
         rows = context.reshape(B * n, C)                  # one context tree per (batch item, chunk)
@@ -258,7 +251,7 @@ class SharedLLM(nn.Module):
         select = self.search_policy(rows, idx, question_len)
         # 2. split-and-search (Eq. 1, Algorithm 1): the preserved nodes, KVs kept by each
         sigma = self.scfg.sigma if self.training else 0.0
-        nodes = tree.search(B * n, C, self.scfg.height, self.scfg.beta, select, sigma)
+        nodes = tree.search(B * n, C, self.scfg.height, beta or self.scfg.beta, select, sigma)
         # 3. each preserved node through the lower model: its kept K/V of every layer
         kv = self.encode_nodes(rows, nodes)
         # 4. chunk-level position ids (Eq. 2), for the upper model's CrossAttention
@@ -275,8 +268,8 @@ class SharedLLM(nn.Module):
         return lambda lefts, rights: [t >= rt[0] for t, rt in zip(target, rights)]   # ours
 
     def vector_policy(self, rows, idx, question_len):
-        # Step 1 as the paper states it (an ablation here): select the child whose hidden vector
-        # is closer in cosine to the question's; a sample with no question: the right child
+        # Step 1 as the paper states it (an ablation here), with the released code's h: select the
+        # child whose hidden vector is closer in cosine to the question's; no question: the right
         n, dev, h = rows.shape[0] // idx.shape[0], rows.device, self.hidden_vectors
         no_question = (question_len == 0).repeat_interleave(n).tolist()
         asked = h(idx, question_len.clamp(min=1).to(dev)).repeat_interleave(n, 0)   # (B*n, dim)
@@ -291,9 +284,8 @@ class SharedLLM(nn.Module):
 
     @torch.no_grad()   # (a discrete choice: no gradient flows through it)
     def hidden_vectors(self, tokens, lengths):
-        # The paper's h (Sec. 3.2): "a short forward pass through one self-attention layer", at
-        # the last position; here the first block, its MLP too (as released), and the final norm.
-        # tokens: (R, L), right-padded; lengths: (R,) -> (R, dim)
+        # h (Sec. 3.2): "a short forward pass through one self-attention layer" at the last place;
+        # as released: block 0 with its MLP, the final norm. tokens (R, L), lengths (R,) -> (R, dim)
         llama, pos = self.upper, torch.arange(tokens.shape[1], device=tokens.device)
         x = llama.layers[0](llama.tok_embeddings(tokens), llama.rope(pos))
         return llama.norm(x[torch.arange(len(x), device=x.device), lengths - 1])
@@ -302,8 +294,9 @@ class SharedLLM(nn.Module):
         # Step 3 (Sec. 3.2): each preserved node, a sequence of its own, through the lower model's
         # M layers, each layer's K (rotated) and V kept at tree.kept_positions (lower_kv says it,
         # lower_kv_kept runs it); a level's nodes go through together, padded, ENCODE_TOKENS a call
+        # -> per layer (K, V), each (R * KVs a chunk, Hkv, hd), row by row in text order
         (R, C), M = rows.shape, self.scfg.n_lower   # the lower model: the upper's bottom M layers
-        kept, at = [([], []) for _ in range(M)], []   # per layer: each call's K, V; KVs' places
+        kept, order_key = [([], []) for _ in range(M)], []   # each layer's K, V; a sort key
         for level in range(1, self.scfg.height + 1):
             at_level = [(r, nd) for r, nds in enumerate(nodes) for nd in nds if nd.level == level]
             per_call = max(1, ENCODE_TOKENS // max(len(nd) for _, nd in at_level))
@@ -316,15 +309,16 @@ class SharedLLM(nn.Module):
                 for j, kv in enumerate(lower_kv_kept(self.upper, tokens, M, kept_at)):
                     for out, t in zip(kept[j], kv):                    # (R, Hkv, n_kept, hd)
                         out.append(t.transpose(1, 2).flatten(0, 1))    # (R * n_kept, Hkv, hd)
-                at += [r * C + nd.start + t for r, nd in group for t in range(nd.n_kept)]
-        order = to_device(at, rows.device).argsort()   # back in text order, row by row
+                order_key += [r * C + nd.start + t for r, nd in group for t in range(nd.n_kept)]
+        order = to_device(order_key, rows.device).argsort()   # row, node start, index: text order
         return [(torch.cat(ks)[order], torch.cat(vs)[order]) for ks, vs in kept]
 
     def chunk_level_kv(self, kv, nodes, B, n):
         # Step 4 (Eq. 2): each chunk's K/V side by side, its keys rotated by its chunk id i, every
         # X_D query by one id n (chunk_positions). Ours, beyond Eq. 2: random ids in training; and
         # a key arrives rotated by its place p in its node (lower_kv): rotations add, so it sits at
-        # i + p: Eq. 2's "queries last" holds for the ids, not the angles. kv: lower_kv_kept's
+        # i + p: Eq. 2's "queries last" holds for the ids, not the angles. kv: encode_nodes', per
+        # layer (K, V), each (B * n * S, Hkv, hd) -> Memory, its kv each (B, Hkv, n * S, hd)
         S = sum(nd.n_kept for nd in nodes[0])                # KVs kept per chunk (every chunk's)
         ids = chunk_positions(self.scfg, B, n, kv[0][0].device, self.training)   # (B, n + 1)
         kv = [[t.view(B, -1, *t.shape[1:]).transpose(1, 2) for t in KV] for KV in kv]   # B,Hkv,.,hd
@@ -337,7 +331,8 @@ def chunk_positions(scfg, B, n, device, training):
     # Eq. 2's chunk-level position ids, (B, n + 1): chunk i's keys at [:, i], the X_D queries at
     # [:, n]. "plain" (the paper): 0..n. "off": all 0, so no chunk is told from another. "random"
     # (ours; plain at inference): in training, n sorted distinct ids below a span log-uniform in
-    # n..max_chunk_id, the queries one past the last: every distance is seen (Ruoss et al., 2023).
+    # n..max_chunk_id (near, as at inference, is common; far is seen), the queries one past the
+    # last: every distance trains (Ruoss et al., 2023). E.g. n = 3, span 5: ids 0 2 4, queries 5.
     if scfg.chunk_pos == "off":
         return torch.zeros(B, n + 1, dtype=torch.long, device=device)
     if scfg.chunk_pos == "plain" or not training:
@@ -367,8 +362,10 @@ def lower_kv(llama, tokens, n_layers, kept_at):
 
 def lower_kv_kept(llama, tokens, n_layers, kept_at):
     # lower_kv with less work (what runs; ours, for speed: the default run takes a third less
-    # time; tested equal). Only the kept K/V leave the top block, so it projects them at the kept
-    # tokens alone, and the block below it runs its queries and its FFN at those tokens only.
+    # time; tested equal). Only the kept K/V leave the lower model, so with M = n_layers:
+    #   blocks 0 .. M-3: Block.forward over every token, written out (their K, V are kept too);
+    #   block M-2: its K, V over every token, its queries and FFN at the kept tokens only;
+    #   block M-1: its K, V at the kept tokens only (nothing reads its output).
     L = tokens.shape[1]
     rope = llama.rope(torch.arange(L, device=tokens.device))
     rope_kept = tuple(t[kept_at][:, None] for t in rope)                 # (R, 1, n_kept, hd)
@@ -408,20 +405,15 @@ def gather_spans(rows, row_ids, spans):
 
 
 # Step 1, ours, in every recipe: each tree heads for where the context repeats the question, no
-# weights read. lexical_targets states it; lexical_targets_batched runs it (tested equal). Measured
-# on byte passkeys, the share with the key in a leaf at 1K / 64K context tokens (docs/results.md):
-NGRAM_MAX = 8   # 4: 70 / 71%, 6: 79 / 75%, 8: 81 / 79%; 16: 82 / 80% for twice the passes
+# weights read. lexical_targets states the rule, lexical_targets_batched runs it (tested equal).
+NGRAM_MAX = 8   # the longest run of question tokens that votes (others: docs/results.md)
 
 
 def lexical_targets(context, question, C):
     # context, question: lists of token ids -> per chunk of C tokens, the position its tree heads
-    # for. score(t) = sum over the runs of k <= NGRAM_MAX tokens ending at t that the question
-    # holds of late / count: count, the run's occurrences in the context, so each run has one vote
-    # to share (a rare run gives it all to one place, filler spreads it thin, and no vote grows
-    # with the context as BM25's log(N / count) does, which read 78 / 78%: bounded is simpler);
-    # late, where the run's last copy ends in the question over |Q|, as its last words are the
-    # answer's cue, "The pass key is" (votes alike: 58 / 51%). A longer match also wins by its
-    # sub-runs. In units of 2^-20: integer sums are exact, and equal windows tie.
+    # for. Each run of k <= NGRAM_MAX tokens in the question Q has one vote, late = where its last
+    # copy ends in Q over |Q| (a question ends with its cue, "The pass key is"), shared by its
+    # `count` copies in the context; score[t] sums the votes of the runs ending at t (units 2^-20).
     score = [0] * len(context)
     for k in range(1, NGRAM_MAX + 1):
         runs = [tuple(context[t - k + 1:t + 1]) for t in range(k - 1, len(context))]
@@ -430,9 +422,9 @@ def lexical_targets(context, question, C):
         for t, run in enumerate(runs, start=k - 1):
             score[t] += round(2 ** 20 * late.get(run, 0) / count[run])
     # The answer follows its cue: a position's evidence is the score of the W = |Q|/4 tokens before
-    # it, across chunk borders (|Q|/8: 78 / 77%; |Q|/2 loses RULER's essay task, 48% not 57%); a
-    # tree heads for its chunk's first position with the most (none: C - 1, right at every level).
-    # E.g. Q = 3 9 4 5, chunk 7 3 9 4 5 8 2 6: scores .25 1 2.25 4 at 3 9 4 5, W = 1: the 8 wins.
+    # it, across chunk borders; a tree heads for its chunk's first position with the most (none:
+    # C - 1, right at every level). E.g. Q = 3 9 4 5, chunk 7 3 9 4 5 8 2 6: scores .25 1 2.25 4
+    # at 3 9 4 5, W = 1: the 8 wins.
     W = max(1, len(question) // 4)
     evidence = [sum(score[max(0, p - W):p]) for p in range(len(context))]
     chunks = [evidence[c:c + C] for c in range(0, len(context), C)]
@@ -440,9 +432,17 @@ def lexical_targets(context, question, C):
 
 
 def lexical_targets_batched(rows, idx, question_len, vocab_size):
-    # lexical_targets for each sample: rows (B*n, C) its chunks, idx (B, T) its question first.
-    # J[t] = 1 + where the run of k tokens ending at t last ends in the question (0: nowhere). The
-    # pair (J of the k - 1 tokens before t, J of t's token) names the run: a table maps it to J.
+    # lexical_targets for each sample at once (ours, for speed): rows (B*n, C) its chunks, idx
+    # (B, T) its question first. A run is one integer, J = 1 + where its last copy ends in Q (0: Q
+    # lacks it), so counts and votes are a scatter and a gather. Why it equals the plain rule:
+    # - a place in Q ends one run of each length k, so J names a run. The run of k tokens ending
+    #   at t is (the run of k - 1 ending at t - 1, t's token): a pair of J's, as one integer, key =
+    #   J_1 + (T + 1) J_k-1 (J is in 0..T), which a table made from Q maps to J_k;
+    # - a place of Q enters the table only if Q holds its k - 1 prefix (key > T): else its key is
+    #   J_1 alone, which a context run whose prefix Q lacks would match; J = 0 votes nothing, as
+    #   late.get(run, 0); a J that no context run has divides by a zero count (never gathered).
+    # E.g. Q = 1 2 9 (T = 3): J_1 = 1 2 3; "1 2" is key 2 + 4 * 1 = 6, which the table maps to
+    # J_2 = 2. Context 5 1 2: J_1 = 0 1 2, and at the 2 the same key 6: J_2 = 2, a vote of 2/3.
     (R, C), B, dev = rows.shape, idx.shape[0], rows.device
     T, q_len = int(question_len.max()), question_len.to(dev)[:, None]   # (T: on the host)
     ctx, q, at = rows.reshape(B, -1), idx[:, :T], torch.arange(T + 1, device=dev)
@@ -459,7 +459,7 @@ def lexical_targets_batched(rows, idx, question_len, vocab_size):
                 1, key_q, place * (key_q > T), "amax")
             torch.gather(table, 1, key_q, out=J_q[:, 1:])
             torch.gather(table, 1, key_c, out=J_c[:, 1:])
-        # a run's vote, shared by its occurrences in X_C: the context positions with its J
+        # a run's vote, late = J / |Q|, shared by its occurrences in X_C: the positions with its J
         count = torch.zeros(B, T + 1, device=dev).scatter_add_(
             1, J_c[:, 1:], torch.ones(B, N, device=dev))
         vote = (2 ** 20 * at / q_len.double() / count).round().long().masked_fill(at == 0, 0)

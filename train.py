@@ -56,9 +56,9 @@ chunk_size = 128        # C (paper: 1024 LM, 512 SFT)
 height = 3              # tree height h (paper: 3)
 beta = 8.0              # compression: C / KVs kept per chunk (paper: 8); need not be whole
 sigma = 0.0             # split noise, a fraction of a node's length l (paper: l/5 LM, l/10 SFT);
-                        # ours: 0, the paper's "w/o noise" ablation, as the tiny model trains
+                        # ours: 0, the paper's "w/o noise" ablation: the tiny model trains better
 train = "all"           # what trains: "all" | "cross" (cross-attention) | "cross+top" (and the top
-                        # N-M layers: the paper's LM recipe); ours: "all" from scratch
+                        # N-M layers: the paper's LM recipe, Sec. 3.3); ours: "all" from scratch
 policy = "lexical"      # step 1's search, ours in every recipe (model.lexical_targets); ablations:
                         # "vector" (the paper's), "right"
 chunk_pos = "random"    # step 4's chunk position ids: "random" in training (ours, every recipe's:
@@ -142,8 +142,7 @@ model_args = ckpt["model_args"] if ckpt else dict(llama=asdict(raw.upper.cfg), s
 raw.upper.checkpointing = activation_checkpointing
 # what trains, in fp32 (an AdamW step on a bf16 weight below half its ulp is lost); the rest stays
 for name, p in raw.named_parameters():
-    top = name.startswith(("upper.norm", "upper.output")) or (
-        name.startswith("upper.layers.") and int(name.split(".")[2]) >= raw.scfg.n_lower)
+    top = name.startswith("upper.layers.") and int(name.split(".")[2]) >= raw.scfg.n_lower
     p.requires_grad_(train == "all" or ".cross_" in name or (train == "cross+top" and top))
     p.data = p.data.float() if p.requires_grad else p.data
 if master:
@@ -221,8 +220,7 @@ def evaluate(counts):
     # Passkey accuracy and language-modeling loss at each chunk count, with the context and with
     # the upper model alone, on fixed samples (their own seeds: evals compare, and never touch the
     # training streams); text once it has started (lm_from)
-    raw.eval()
-    raw.scfg.beta = beta   # at the target compression (the next step sets its own again)
+    raw.eval()   # at the target compression, the config's beta
     out, lm_batches = {}, []
     lm_counts = [n for n in counts if n * chunk_size + block_size + 1 <= longest.get("val", 0)]
     if lm_counts and (task == "lm" or (task == "mixed" and iter_num > lm_from)):
@@ -325,7 +323,7 @@ while True:
         g["lr"] = lr
     # SharedLLM: this step's context length (chunks) and compression (beta), from the curricula
     n = scheduled(chunk_pairs, iter_num, n_chunks)
-    raw.scfg.beta = scheduled(beta_pairs, iter_num, beta)   # beta: no weight depends on it
+    step_beta = scheduled(beta_pairs, iter_num, beta)   # (no weight depends on beta)
     for micro in range(gradient_accumulation_steps):
         # SharedLLM: a batch is X_C (n chunks), X_D with its targets, the question's length (on
         # the host, where the search reads it); a batch is passkeys or text
@@ -340,7 +338,7 @@ while True:
         if ddp:   # average the gradients across processes at the last micro-step only
             model.require_backward_grad_sync = micro == gradient_accumulation_steps - 1
         with autocast:
-            _, loss = model(ctx, idx, tgt, ql)   # SharedLLM: compress X_C, then read X_D
+            _, loss = model(ctx, idx, tgt, ql, step_beta)   # SharedLLM: compress X_C, read X_D
         nonfinite |= ~torch.isfinite(loss.detach())
         loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
         loss_n[kind] = loss_n.get(kind, 0) + 1
@@ -370,7 +368,7 @@ while True:
             f"{v:.4f}" + (f" ({k})" if len(losses) > 1 else "") for k, v in losses.items())
             + f", lr {lr:.2e}, {ms:.0f} ms/iter, {1000 * toks / ms:,.0f} tok/s, chunks {n}, "
             f"{(now - start) / 60:.1f} min", flush=True)
-        log(iter=iter_num, loss=losses, lr=lr, ms_per_iter=ms, chunks=n, beta=raw.scfg.beta,
+        log(iter=iter_num, loss=losses, lr=lr, ms_per_iter=ms, chunks=n, beta=step_beta,
             minutes=(now - start) / 60)
         last_line = now
 if ddp:
