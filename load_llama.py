@@ -52,11 +52,23 @@ def names(table, cfg):
     return {t: o for t, o in out.items() if not (cfg.tie_embeddings and o == "output.weight")}
 
 
+def read_json(path):   # a damaged file is named: json's own error says only where in the text
+    try:
+        return json.load(open(path))
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
 def config_from_hf(ckpt_dir):
-    c = json.load(open(os.path.join(ckpt_dir, "config.json")))
+    path = os.path.join(ckpt_dir, "config.json")
+    c = read_json(path)
     if c.get("model_type") != "llama" or c.get("rope_scaling"):
-        raise ValueError(f"{ckpt_dir}: model_type {c.get('model_type')!r}, rope_scaling "
+        raise ValueError(f"{path}: model_type {c.get('model_type')!r}, rope_scaling "
                          f"{c.get('rope_scaling')}; expected 'llama' with plain RoPE")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "vocab_size", "intermediate_size") if k not in c]
+    if missing:
+        raise ValueError(f"{path}: no {', '.join(missing)}")
     rope = c.get("rope_parameters") or {}   # transformers 5 nests rope_theta here
     return LlamaConfig(
         dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
@@ -70,10 +82,15 @@ def config_from_hf(ckpt_dir):
 
 def safetensors_files(ckpt_dir):   # model.safetensors, or the shards its index lists
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
+    files = [os.path.join(ckpt_dir, "model.safetensors")]
     if os.path.isfile(index):
-        shards = sorted(set(json.load(open(index))["weight_map"].values()))
-        return [os.path.join(ckpt_dir, f) for f in shards]
-    return [os.path.join(ckpt_dir, "model.safetensors")]
+        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
+        files = [os.path.join(ckpt_dir, f) for f in shards]
+    for f in files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"{f}: missing" + (f" (listed in {index})"
+                                                       if os.path.isfile(index) else ""))
+    return files
 
 
 def load_llama(path, device="cpu", dtype=torch.float32):
@@ -83,27 +100,35 @@ def load_llama(path, device="cpu", dtype=torch.float32):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path}: no config.json there (expected an HF-layout LLaMA "
                                 "folder or a .gguf file)")
-    cfg, sd = config_from_hf(path), {}
+    cfg, sd, where = config_from_hf(path), {}, {}
     for f in safetensors_files(path):   # one tensor at a time: never two full copies in memory
-        with safe_open(f, framework="pt", device="cpu") as st:
-            for name in st.keys():
-                if not name.endswith("rotary_emb.inv_freq"):   # (old conversions saved RoPE's)
-                    sd[name] = st.get_tensor(name)
+        try:   # (safetensors' errors name no file: a truncated shard of 11 must be told apart)
+            with safe_open(f, framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    if not name.endswith("rotary_emb.inv_freq"):   # (old conversions kept RoPE's)
+                        sd[name], where[name] = st.get_tensor(name), f
+        except Exception as e:
+            raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
     if cfg.tie_embeddings:   # some tied checkpoints store the head anyway; it IS the embedding
         sd.pop("lm_head.weight", None)
-    return build(cfg, sd, names(WEIGHT_MAP, cfg), path, device, dtype)
+    return build(cfg, sd, names(WEIGHT_MAP, cfg), where, path, device, dtype)
 
 
-def build(cfg, sd, ours, source, device, dtype):
-    # their tensors {their name: tensor} -> model.Llama, made on the meta device (no memory for a
-    # random init: every parameter is replaced by a loaded tensor); load_state_dict(strict=True)
-    # names a missing or unexpected tensor, or a wrong shape
+def build(cfg, sd, ours, where, source, device, dtype):
+    # their tensors {their name: tensor}, each read from where[name] -> model.Llama, made on the
+    # meta device (no memory for a random init: every parameter is replaced by a loaded tensor).
+    # A missing, unexpected or misshapen tensor is named as the checkpoint names it.
     with torch.device("meta"):
         model = Llama(cfg)
-    unknown = set(sd) - set(ours)
-    if unknown:
-        raise ValueError(f"{source}: tensors {sorted(unknown)[:3]} are not part of a "
-                         f"{cfg.n_layers}-layer LLaMA")
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for bad, what in ((set(sd) - set(ours), f"not part of a {cfg.n_layers}-layer LLaMA"),
+                      (set(ours) - set(sd), "missing")):
+        if bad:
+            raise ValueError(f"{source}: {len(bad)} tensors {what}, e.g. {sorted(bad)[:3]}")
+    for k, t in sd.items():
+        if tuple(t.shape) != shapes[ours[k]]:
+            raise ValueError(f"{where[k]}: {k} has shape {tuple(t.shape)}, expected "
+                             f"{shapes[ours[k]]} by its config")
     state = {ours[k]: t.to(device=device, dtype=dtype) for k, t in sd.items()}
     if cfg.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
@@ -139,7 +164,10 @@ GGUF_MAP = {
 @functools.lru_cache(maxsize=1)   # (parsing takes seconds: the tokenizer and weights read it once)
 def read_gguf(path):   # -> (the gguf reader, its metadata as {key: python value})
     import gguf   # optional: pip install gguf
-    r = gguf.GGUFReader(path)
+    try:
+        r = gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError) as e:   # (what a truncated or foreign file raises)
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
     return r, {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
 
 
@@ -170,7 +198,7 @@ def load_gguf(path, device="cpu", dtype=torch.float32):
             heads = cfg.n_heads if "attn_q" in t.name else cfg.n_kv_heads
             w = w.view(heads, cfg.head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
         sd[t.name] = w
-    return build(cfg, sd, names(GGUF_MAP, cfg), path, device, dtype)
+    return build(cfg, sd, names(GGUF_MAP, cfg), dict.fromkeys(sd, path), path, device, dtype)
 
 
 def auto_device(device):   # "auto": CUDA where there is one, else the CPU
@@ -204,7 +232,7 @@ def load_tokenizer(path):
     if path.endswith(".gguf"):
         tok = T.from_gguf_metadata(read_gguf(path)[1], path)
     elif os.path.isdir(path):
-        c = json.load(open(os.path.join(path, "config.json")))
+        c = read_json(os.path.join(path, "config.json"))
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             tok = T.from_tokenizer_json(os.path.join(path, "tokenizer.json"),
                                         c.get("bos_token_id"), c.get("eos_token_id"))
@@ -228,6 +256,8 @@ def read_checkpoint(path):
     except pickle.UnpicklingError:
         raise ValueError(f"{path}: refused: it holds objects other than tensors and plain "
                          "values, and unpickling them could run code") from None
+    except (RuntimeError, EOFError) as e:   # (torch's own message names no file)
+        raise ValueError(f"{path}: not a readable checkpoint ({e})") from None
 
 
 def sharedllm_from_checkpoint(ck, dtype=torch.float32):

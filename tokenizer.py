@@ -115,7 +115,10 @@ def pattern_of(pre, source):   # an HF tokenizer.json pre-tokenizer as a tiktoke
 def from_tokenizer_json(path, bos_id=None, eos_id=None):
     # an HF tokenizer.json of model type BPE (byte-level). BOS/EOS ids come from the caller
     # (config.json) when known; whether BOS is added comes from the post-processor, as HF does it.
-    t = json.load(open(path, encoding="utf-8"))
+    try:   # (json's own error names no file)
+        t = json.load(open(path, encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
     m = t["model"]
     if m.get("type") != "BPE" or t.get("normalizer"):
         raise ValueError(f"{path}: not a byte-level BPE tokenizer (model {m.get('type')!r}, "

@@ -44,8 +44,9 @@ def node_budget(chunk_size, height, beta):
     """KVs kept by one preserved node at each level 1..h (index 0 unused)."""
     assert height >= 1, f"tree height must be >= 1, got {height}"
     assert beta >= 1, f"beta must be >= 1, got {beta}"
-    # node lengths along the always-right path with exact halves (left child = floor(l/2)); the
-    # split's clamp in search() keeps every other node long enough for its KVs
+    # lengths[w]: the preserved (left) node at level w when the right child is always selected
+    # and splits are exact (l // 2), [0] the root; at h the shorter leaf. search()'s clamp keeps
+    # every node of any other split long enough for its KVs
     lengths, l = [chunk_size], chunk_size
     for _ in range(height):
         lengths.append(l // 2)
@@ -75,7 +76,8 @@ def node_budget(chunk_size, height, beta):
 
 
 def min_length(budget, height):
-    """Shortest node length each level must keep so that everything below it still fits."""
+    """need[w]: the shortest a node of level w may be: it holds its own KVs if preserved, and if
+    selected it splits into two children of level w + 1, each at least need[w + 1] long."""
     need = [0] * (height + 1)
     need[height] = budget[height]
     for w in range(height - 1, 0, -1):

@@ -4,6 +4,7 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
 import sysconfig
 
 import pytest
@@ -51,19 +52,48 @@ def test_tied_embeddings_stay_one_tensor(tmp_path):
     assert s.upper.output.weight is s.upper.tok_embeddings.weight   # still one after a step
 
 
-def test_loaders_name_what_is_wrong(tmp_path):
-    # a missing folder, a tensor the model has not, a wrong shape, a checkpoint that would run code
+def damage(d, case):   # one way a user's HF folder (here: sharded) breaks -> what must be named
+    from safetensors.torch import load_file, save_file
+    index = json.load(open(d / "model.safetensors.index.json"))["weight_map"]
+    k_proj = "model.layers.1.self_attn.k_proj.weight"
+    shard = d / index[k_proj]
+    if case == "no config":
+        os.remove(d / "config.json")
+        return ["config.json"]
+    if case in ("config not JSON", "config key gone"):
+        text = (d / "config.json").read_text()
+        (d / "config.json").write_text(text[:40] if case == "config not JSON" else
+                                       text.replace('"intermediate_size"', '"renamed"'))
+        return ["config.json"] + ["intermediate_size"] * (case == "config key gone")
+    if case in ("shard gone", "shard cut short"):
+        data = shard.read_bytes()
+        os.remove(shard) if case == "shard gone" else shard.write_bytes(data[:len(data) // 2])
+        return [shard.name]
+    sd = load_file(shard)
+    if case == "tensor gone":
+        sd.pop(k_proj)
+    elif case == "tensor misshapen":
+        sd[k_proj] = sd[k_proj][:, :-1].contiguous()
+    else:   # a tensor of another model
+        sd["model.layers.1.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(sd, shard, metadata={"format": "pt"})
+    return {"tensor gone": [k_proj], "tensor misshapen": [shard.name, k_proj, "(32, 63)", "(32, 64)"],
+            "unknown tensor": ["q_norm"]}[case]
+
+
+def test_loaders_name_the_file_and_the_tensor_as_the_checkpoint_does(tmp_path):
+    # every damaged checkpoint is refused with the file, and the tensor by its name in that file
+    make_hf_checkpoint(tmp_path / "good", sharded=True)
+    for case in ("no config", "config not JSON", "config key gone", "shard gone",
+                 "shard cut short", "tensor gone", "tensor misshapen", "unknown tensor"):
+        d = tmp_path / case.replace(" ", "_")
+        shutil.copytree(tmp_path / "good", d)
+        named = damage(d, case)
+        with pytest.raises((ValueError, FileNotFoundError)) as e:
+            load_llama(str(d))
+        assert all(n in str(e.value) for n in named), (case, str(e.value))
     with pytest.raises(FileNotFoundError):
         load_llama(str(tmp_path / "nowhere"))
-    make_hf_checkpoint(tmp_path)
-    from safetensors.torch import load_file, save_file
-    sd = load_file(tmp_path / "model.safetensors")
-    extra = {**sd, "model.extra.weight": sd["model.norm.weight"].clone()}
-    for bad, error in [(extra, "model.extra"),
-                       ({**sd, "model.norm.weight": sd["model.norm.weight"][:3]}, "norm")]:
-        save_file(bad, tmp_path / "model.safetensors")
-        with pytest.raises((ValueError, RuntimeError), match=error):
-            load_llama(str(tmp_path))
     torch.save({"model": torch.nn.Linear(2, 2)}, tmp_path / "ckpt.pt")   # pickles a class
     with pytest.raises(ValueError):   # weights_only refuses it
         read_checkpoint(str(tmp_path / "ckpt.pt"))
