@@ -77,8 +77,8 @@ def damage(d, case):   # one way a user's HF folder (here: sharded) breaks -> wh
     else:   # a tensor of another model
         sd["model.layers.1.self_attn.q_norm.weight"] = torch.ones(16)
     save_file(sd, shard, metadata={"format": "pt"})
-    return {"tensor gone": [k_proj], "tensor misshapen": [shard.name, k_proj, "(32, 63)", "(32, 64)"],
-            "unknown tensor": ["q_norm"]}[case]
+    return {"tensor gone": [k_proj], "unknown tensor": ["q_norm"],
+            "tensor misshapen": [shard.name, k_proj, "(32, 63)", "(32, 64)"]}[case]
 
 
 def test_loaders_name_the_file_and_the_tensor_as_the_checkpoint_does(tmp_path):
@@ -166,6 +166,30 @@ def test_kv_cache_matches_full_forward_and_loss_ignores_minus_100():
     logits, loss = m(idx, tgt)
     ref = torch.nn.functional.cross_entropy(logits[:, 5:].reshape(-1, 258), tgt[:, 5:].flatten())
     assert abs(loss.item() - ref.item()) < 1e-6
+
+
+def test_sampling_draws_from_the_top_k_and_the_nucleus_as_defined(monkeypatch):
+    # top-p: the smallest set of the likeliest tokens whose probability reaches p (Holtzman et
+    # al., 2020), renormalised; top-k: the k likeliest; both at the temperature's softmax
+    drawn = []
+    monkeypatch.setattr(torch, "multinomial", lambda p, num_samples: drawn.append(p) or
+                        p.argmax(-1, keepdim=True))
+    logits = torch.randn(4, 50) * 3
+    for top_k, top_p, T in [(None, 0.9, 1.0), (None, 0.5, 0.7), (5, None, 1.3), (8, 0.6, 1.0)]:
+        probs = (logits / T).softmax(-1)
+        if top_k:
+            probs = probs.masked_fill(probs < probs.topk(top_k).values[:, -1:], 0)
+            probs = probs / probs.sum(-1, keepdim=True)
+        want = torch.zeros_like(probs)
+        for row, p in enumerate(probs):
+            order = p.argsort(descending=True).tolist()
+            n = next((i + 1 for i in range(len(order)) if p[order[:i + 1]].sum() >= top_p),
+                     len(order)) if top_p else len(order)
+            want[row, order[:n]] = p[order[:n]]
+        decode.sample_next(logits, T, top_k, top_p)
+        got = drawn.pop()
+        assert torch.equal(got > 0, want > 0)
+        assert torch.allclose(got / got.sum(-1, keepdim=True), want / want.sum(-1, keepdim=True))
 
 
 def test_a_gguf_file_in_llama_cpps_layout_loads_as_its_hf_model(tmp_path):

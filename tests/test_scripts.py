@@ -181,3 +181,51 @@ def test_the_layout_keeps_its_budgets_widths_and_floors():
                     for a in n.names} | {n.module for n in ast.walk(tree)
                                          if isinstance(n, ast.ImportFrom) and n.module}
         assert not imported & scripts - {f[:-3]}, f
+
+
+def test_each_eval_row_reads_exactly_the_tokens_its_protocol_names():
+    # ppl on a text whose tokens are their positions, and a model that predicts "+ 1": each row
+    # reads what it names (window: the last W tokens; full: all; none: X_D; SharedLLM: X_C, then
+    # X_D) and scores the next token of each of the last K, so every perplexity is 1
+    import types
+    import numpy as np
+    n, C, T, K, W = 2, 8, 6, 3, 10
+    split = (np.arange(200), np.array([0, 200]))
+    read = {}
+    def predicts_next(row):
+        def forward(*seqs, last=0, memory=None):
+            read[row] = [s for s in seqs if s is not None]
+            x = seqs[-1][:, -(last or seqs[-1].shape[1]):]
+            return torch.nn.functional.one_hot(x + 1, 300).float() * 50, None
+        return forward
+    windows = E.ppl_windows(split, n, C, T, K, 4)
+    g = dict(batch_size=8, window=W)
+    for row in ("SharedLLM", "none", "window", "full"):
+        fake = predicts_next(row)
+        assert E.score_ppl(fake, split, windows, n, C, T, K, row, g, "cpu", base=fake) < 1.001
+    p = torch.tensor([p for _, p in windows])[:, None]
+    span = lambda a, b: p + torch.arange(a, b)   # tokens [p + a, p + b) of each window
+    assert torch.equal(read["window"][0], span(K - W, K))
+    assert torch.equal(read["full"][0], span(K - T - n * C, K))
+    assert torch.equal(read["none"][0], span(K - T, K))
+    ctx, xd = read["SharedLLM"]
+    assert torch.equal(ctx.flatten(1), span(K - T - n * C, K - T))
+    assert torch.equal(xd, read["none"][0])
+    # the passkey grid: the window row reads the last W tokens of X_C + X_D, the full row all
+    from tokenizer import ByteTokenizer
+    tok, cell, seqs = ByteTokenizer(), (1.0, 0.9, 1.0), {}
+    class Reader:
+        def __init__(self, row):
+            self.row = row
+        def __call__(self, seq, memory=None, last=0):
+            seqs[self.row] = seq
+            return torch.zeros(len(seq), last, 258), None
+    g = dict(samples=2, seed=0, batch_size=2, window=100)
+    model = types.SimpleNamespace(upper=Reader("none"))
+    for row in ("none", "window", "full"):
+        base = types.SimpleNamespace(upper=Reader(row))
+        E.score_cell(model, base, tok, "passkey", 4, 32, cell, g, "cpu", row)
+    (ctx, idx, _, _), _, _ = next(E.haystacks(tok, "passkey", 4, 32, cell, g))
+    whole = torch.cat([ctx.flatten(), idx])
+    assert torch.equal(seqs["none"][0], idx) and torch.equal(seqs["full"][0], whole)
+    assert torch.equal(seqs["window"][0], whole[-100:])

@@ -249,3 +249,39 @@ def test_the_search_runs_as_its_plain_statement_says():
             nodes = s.compress(ctx, idx, ql).nodes
         assert all(next(nd for nd in nds if nd.start <= t < nd.end).level == 3
                    for nds, t in zip(nodes, want))
+
+
+Q8, Q16 = list(range(1, 9)), list(range(1, 17))
+
+
+@pytest.mark.parametrize("context,question,C,want", [
+    # late: Q's last token (4) outweighs its first (1); with every vote alike they would tie
+    ([5, 1, 6, 7, 4, 8, 9, 9], [1, 2, 3, 4], 8, [5]),
+    # count: the 4, seen three times, shares its vote; the 3, seen once, keeps it whole
+    ([4, 0, 4, 0, 4, 0, 3, 0], [1, 2, 3, 4], 8, [7]),
+    # the cue window, W = |Q|/4 = 2: "7 6" (7/8 + 6/8) outweighs the lone 8 (1); W = 1 would head
+    # after the 8, W = 4 (|Q|/2) one place earlier
+    ([8, 0, 0, 7, 6, 0, 0, 0], Q8, 8, [5]),
+    # the longest run: 8 of Q's tokens outweigh 7 later ones; NGRAM_MAX = 7 heads after the 7
+    ([0, 0, *Q16[7:15], 0, 0, 0, *Q16[9:16], 0, 0], Q16, 22, [10]),
+    # across chunk borders: chunk 0 ends with the cue, so chunk 1 heads for its first token;
+    # a chunk with no evidence heads right (C - 1)
+    ([0, 0, 1, 2, 0, 0, 0, 0, 5, 5, 5, 5], [1, 2], 4, [3, 0, 3]),
+])
+def test_the_search_finds_what_its_rule_says(context, question, C, want):
+    assert M.lexical_targets(context, question, C) == want
+    assert M.lexical_targets_batched(torch.tensor(context).view(-1, C), torch.tensor([question]),
+                                     torch.tensor([len(question)]), 20) == want
+
+
+def test_on_passkey_haystacks_the_search_heads_for_the_key():
+    # the tree of the key's chunk heads for the key's first token, in every haystack
+    import data
+    from tokenizer import ByteTokenizer
+    tok, rng = ByteTokenizer(), random.Random(0)
+    ctx, idx, tgt, ql = data.collate([data.passkey_sample(tok, rng, 8, 128) for _ in range(48)],
+                                     tok)
+    targets = M.lexical_targets_batched(ctx.view(-1, 128), idx, ql, 258)
+    for b in range(48):
+        key = data.key_mentions(ctx[b].flatten().tolist(), tgt[b][tgt[b] != -100].tolist())
+        assert any(targets[b * 8 + a // 128] == a % 128 for a, _ in key), b

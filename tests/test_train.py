@@ -133,3 +133,25 @@ def test_a_pretrained_model_trains_only_its_cross_attention(tmp_path, docs):
                if not torch.equal(v, model.state_dict()[k])}
     assert changed == {f"upper.layers.{i}.{name}.weight" for i in range(2) for name in
                        ("cross_attention.wq", "cross_attention.wo", "cross_norm")}
+
+
+def test_each_step_reads_its_curricula_and_drops_only_text_contexts(tmp_path, docs, monkeypatch):
+    # what the model is handed at each training step: the chunk count and beta of the schedules,
+    # passkeys alone before lm_from, and X_C dropped from some text batches, never from a passkey
+    seen, forward = [], M.SharedLLM.forward
+    def spy(self, context, idx, targets=None, question_len=None, beta=None):
+        if self.training:
+            seen.append((None if context is None else context.shape[1], beta,
+                         bool((question_len > 0).any())))
+        return forward(self, context, idx, targets, question_len, beta)
+    monkeypatch.setattr(M.SharedLLM, "forward", spy)
+    train(MICRO + ["--task=mixed", "--lm_from=4", "--passkey_frac=0.5", "--context_dropout=0.5",
+                   f"--data_dir={docs}", "--max_iters=24", "--eval_interval=24", "--n_chunks=4",
+                   "--chunk_schedule=2:4,3:8", "--beta_schedule=2:6"], tmp_path)
+    assert len(seen) == 24 and [b for _, b, _ in seen] == [2] * 6 + [4] * 18
+    want = [2] * 4 + [3] * 4 + [4] * 16
+    assert all(n == w for (n, _, passkey), w in zip(seen, want) if passkey)
+    assert all(n in (None, w) for (n, _, _), w in zip(seen, want))
+    assert all(passkey for _, _, passkey in seen[:4])
+    text = [n for n, _, passkey in seen if not passkey]
+    assert 0 < text.count(None) < len(text) and len(text) < 20   # both kinds after lm_from
