@@ -8,7 +8,7 @@ Data for train.py, eval.py and sample.py, with no download.
   prepare.py), split into train/val by document.
 - Passkey retrieval (the Landmark / LongLoRA format): a 5-digit random key at a given depth inside
   the context, filler around it, the question at the end of X_D; only the answer tokens are scored.
-- RULER's five needle-in-a-haystack tasks (eval.py --task=ruler).
+- RULER's eight needle-in-a-haystack tasks (eval.py --task=ruler).
 
 A sample is (context (n, C), idx (T,), targets (T,), question_len): X_C precedes X_D in the same
 document; question_len is how many leading tokens of X_D are the question (0 for language
@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sysconfig
+import uuid
 
 import numpy as np
 import torch
@@ -250,19 +251,23 @@ def exact_match(logits, targets):   # (B, T, vocab), (B, T) -> (B,): every score
 # needle with a word key and a 7-digit value, in the passkey's filler ("noise") or in prose
 # ("essay"). Ours: the essay is Python's reference documentation (pydoc, in every Python), not
 # Paul Graham's essays; keys are adjective-noun pairs from the lists below (RULER: wonderwords').
-RULER_TASKS = {   # name: (haystack, keys with a needle, values per key, keys asked)
-    "niah_single_1": ("noise", 1, 1, 1),
-    "niah_single_2": ("essay", 1, 1, 1),
-    "niah_multikey_1": ("essay", 4, 1, 1),
-    "niah_multivalue": ("essay", 1, 4, 1),
-    "niah_multiquery": ("essay", 4, 1, 4),
+# A "needle" haystack is other needles alone (their keys never the asked ones), as RULER's.
+RULER_TASKS = {   # name: (haystack, keys, values, keys with a needle, values per key, keys asked)
+    "niah_single_1": ("noise", "words", "numbers", 1, 1, 1),
+    "niah_single_2": ("essay", "words", "numbers", 1, 1, 1),
+    "niah_single_3": ("essay", "words", "uuids", 1, 1, 1),
+    "niah_multikey_1": ("essay", "words", "numbers", 4, 1, 1),
+    "niah_multikey_2": ("needle", "words", "numbers", 1, 1, 1),
+    "niah_multikey_3": ("needle", "uuids", "uuids", 1, 1, 1),
+    "niah_multivalue": ("essay", "words", "numbers", 1, 4, 1),
+    "niah_multiquery": ("essay", "words", "numbers", 4, 1, 4),
 }
-RULER_NEEDLE = "One of the special magic numbers for {key} is: {value}."
-RULER_INTRO = ("Some special magic numbers are hidden within the following text. "
-               "Make sure to memorize it. I will quiz you about the numbers afterwards.\n")
-RULER_QUESTION = ("What are all the special magic numbers for {query} mentioned in the provided "
+RULER_NEEDLE = "One of the special magic {kind} for {key} is: {value}."
+RULER_INTRO = ("Some special magic {kind} are hidden within the following text. "
+               "Make sure to memorize it. I will quiz you about the {kind} afterwards.\n")
+RULER_QUESTION = ("What are all the special magic {kind} for {query} mentioned in the provided "
                   "text?")
-RULER_ANSWER = " The special magic numbers for {query} mentioned in the provided text are"
+RULER_ANSWER = " The special magic {kind} for {query} mentioned in the provided text are"
 ADJECTIVES = """amber brave calm dusty eager faint gaudy hollow icy jolly keen lively mellow
     nimble odd plain quiet rusty shy tidy upbeat vivid wary young zesty bitter clever damp
     elastic fuzzy gentle humble itchy jagged kind lean misty narrow oval proud rapid sandy tall
@@ -273,16 +278,24 @@ NOUNS = """anchor basket candle drawer engine falcon garden harbor island jacket
     spoon tiger violin walnut""".split()
 
 
-def ruler_wording(n_asked_values):
+def ruler_wording(n_asked_values, kind="numbers"):
     # -> (intro, question, answer prefix), {query} to fill. RULER words them in the singular when
     # one value is asked ("A special magic number is hidden ...", "What is the special magic number
-    # for ...", "... is"); the needles keep "numbers".
-    texts = (RULER_INTRO, RULER_QUESTION, RULER_ANSWER)
+    # for ...", "... is"); the needles keep the plural ("numbers", "uuids").
+    texts = tuple(t.replace("{kind}", kind) for t in (RULER_INTRO, RULER_QUESTION, RULER_ANSWER))
     if n_asked_values > 1:
         return texts
     one = lambda s: (s.replace("Some", "A").replace("are all", "is").replace("are", "is")
-                     .replace("numbers", "number"))
+                     .replace(kind, kind[:-1]))
     return tuple(one(s) for s in texts)
+
+
+def ruler_draw(rng, kind):   # a key or value: a word pair, 7 digits, or a UUID (RULER's kinds)
+    if kind == "words":
+        return f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
+    if kind == "numbers":
+        return str(rng.randint(10 ** 6, 10 ** 7 - 1))
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
 @functools.lru_cache
@@ -304,16 +317,9 @@ def value_span(tok, needle_text, value):
     return ids, (start, end)
 
 
-def fill_haystack(tok, first, room):
-    # `room` tokens of haystack, as units (a separator and a sentence): the noise's lines (first
-    # None), or the essay's sentences from sentence `first` on, each tokenized after its space.
-    # -> the tokens, and the unit boundaries (where a needle may go in)
-    essay = essay_sentences()
-    if first is None:
-        line = tok.encode("\n" + FILLER.strip(), bos=False)   # RULER's noise: the same
-        unit = lambda i: line
-    else:
-        unit = lambda i: tok.encode(" " + essay[(first + i) % len(essay)], bos=False)
+def fill_haystack(unit, room):
+    # `room` tokens of haystack, as units (a separator and a sentence: unit(i) its tokens) -> the
+    # tokens, and the unit boundaries (where a needle may go in)
     hay, cuts = [], [0]
     while len(hay) < room:
         hay += unit(len(cuts))
@@ -328,19 +334,21 @@ def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
     # context (the first asked first), question_len = T (all of X_D is the question)
     if task not in RULER_TASKS:
         raise ValueError(f"unknown RULER task {task!r}; expected one of {', '.join(RULER_TASKS)}")
-    haystack, n_keys, n_values, n_asked = RULER_TASKS[task]
+    haystack, key_kind, kind, n_keys, n_values, n_asked = RULER_TASKS[task]
     depth = rng.random() if depth is None else depth
-    keys = rng.sample([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS], n_keys)
-    values = {k: [str(rng.randint(10 ** 6, 10 ** 7 - 1)) for _ in range(n_values)] for k in keys}
+    keys = (rng.sample([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS], n_keys)
+            if key_kind == "words" else [ruler_draw(rng, key_kind) for _ in range(n_keys)])
+    values = {k: [ruler_draw(rng, kind) for _ in range(n_values)] for k in keys}
     asked = rng.sample(keys, n_asked)
-    sep = "\n" if haystack == "noise" else " "
+    sep = " " if haystack == "essay" else "\n"
     needles = []   # (tokens, the value's span in them, the value if asked else None)
     for k in sorted(keys, key=lambda k: k != asked[0]):          # the first asked first
         for v in values[k]:
-            ids, span = value_span(tok, sep + RULER_NEEDLE.format(key=k, value=v), v)
+            ids, span = value_span(tok, sep + RULER_NEEDLE.format(kind=kind, key=k, value=v), v)
             needles.append((ids, span, v if k in asked else None))
     query = asked[0] if n_asked == 1 else ", ".join(asked[:-1]) + ", and " + asked[-1]
-    intro, question, answer = (t.format(query=query) for t in ruler_wording(n_asked * n_values))
+    intro, question, answer = (t.format(query=query)
+                               for t in ruler_wording(n_asked * n_values, kind))
     L = n_chunks * chunk_size
     head = tok.encode(intro.rstrip("\n"))   # BOS where the tokenizer has one; the haystack: sep
     room = L - len(head) - sum(len(ids) for ids, _, _ in needles)
@@ -348,8 +356,18 @@ def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
         raise ValueError(f"{task}: a context of {L} tokens ({n_chunks} chunks x {chunk_size}) is "
                          f"too short for its intro and {len(needles)} needle(s): it needs more "
                          f"than {L - room} tokens (more chunks: eval.py --chunks)")
-    first = rng.randrange(len(essay_sentences())) if haystack == "essay" else None
-    hay, cuts = fill_haystack(tok, first, room)
+    if haystack == "noise":   # RULER's noise: the passkey's filler, a line at a time
+        line = tok.encode("\n" + FILLER.strip(), bos=False)
+        unit = lambda i: line
+    elif haystack == "essay":   # sentences from a random one on, each after its space
+        essay, first = essay_sentences(), rng.randrange(len(essay_sentences()))
+        unit = lambda i: tok.encode(" " + essay[(first + i) % len(essay)], bos=False)
+    else:   # other needles, drawn here (a drawn key equal to a task's key: drawn again)
+        other = lambda: next(k for k in iter(lambda: ruler_draw(rng, key_kind), None)
+                             if k not in keys)
+        unit = lambda i: tok.encode("\n" + RULER_NEEDLE.format(
+            kind=kind, key=other(), value=ruler_draw(rng, kind)), bos=False)
+    hay, cuts = fill_haystack(unit, room)
     # each needle goes in at the unit boundary nearest its depth
     depths = [depth] + [rng.random() for _ in needles[1:]]
     at = [min(cuts, key=lambda c: abs(c - d * room)) for d in depths]

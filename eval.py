@@ -224,17 +224,22 @@ def run_grid(model, base, tok, tasks, ns, C, g, dev):
     W, window_of_base = g["window"], model.upper.cfg.max_seq_len
     print(f"{g['samples']} haystacks per cell; the key (the first asked value) at depth d +- "
           f"{(cells[0][2] - cells[0][1]) / 2:g} of n chunks x C = {C} tokens")
+    rows = ["SharedLLM", "none"] + ["window"] * bool(W) + ["full"] * g["full"]
+    runs = [(n, row) for n in ns for row in rows   # full: quadratic, within the base window only
+            if row != "full" or n * C + 128 <= window_of_base]
+    left, t0 = len(tasks) * len(runs) * len(cells), time.time()
     for task in tasks:
-        rows = ["SharedLLM", "none"] + ["window"] * bool(W) + ["full"] * g["full"]
         grids, placed = {row: {} for row in rows}, {}
-        for n in ns:
-            for row in rows:
-                if row == "full" and n * C + 128 > window_of_base:   # quadratic: within it only
-                    continue
-                for cell in cells:
-                    grids[row][n, cell[0]], where = score_cell(model, base, tok, task, n, C, cell,
-                                                               g, dev, row)
-                    placed[n, cell[0]] = where if row == "SharedLLM" else placed[n, cell[0]]
+        for n, row in runs:
+            for cell in cells:
+                t = time.time()
+                grids[row][n, cell[0]], where = score_cell(model, base, tok, task, n, C, cell, g,
+                                                           dev, row)
+                placed[n, cell[0]] = where if row == "SharedLLM" else placed[n, cell[0]]
+                left -= 1   # a long cell runs for minutes: say where it is
+                print(f"  {task} {row} {n * C:,} tokens, depth {cell[0]:g}: "
+                      f"{100 * grids[row][n, cell[0]]:.1f}% in {time.time() - t:.0f} s; {left} "
+                      f"cells left, {(time.time() - t0) / 60:.1f} min so far", flush=True)
         print(f"{task}, SharedLLM:\n{heatmap(grids['SharedLLM'], ns, cells, C)}")
         for row in rows[1:]:
             got = [n for n in ns if (n, cells[0][0]) in grids[row]]

@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -103,17 +104,30 @@ def test_ruler_templates_and_haystacks():
     assert data.ruler_score("1234567 and 7654321.", ["1234567", "7654321"]) == 1.0
     assert data.ruler_score("The number is 1234567", ["1234567", "7654321"]) == 0.5
     tok = T.ByteTokenizer()
-    counts = {"niah_single_1": (1, 1), "niah_single_2": (1, 1), "niah_multikey_1": (4, 1),
+    counts = {"niah_single_1": (1, 1), "niah_single_2": (1, 1), "niah_single_3": (1, 1),
+              "niah_multikey_1": (4, 1), "niah_multikey_2": (1, 1), "niah_multikey_3": (1, 1),
               "niah_multivalue": (4, 4), "niah_multiquery": (4, 4)}   # needles, values asked
+    assert set(counts) == set(data.RULER_TASKS)
     for task, (needles, asked) in counts.items():
+        haystack, key_kind, kind = data.RULER_TASKS[task][:3]
         for depth in (0.0, 0.5, 1.0):
             ctx, idx, answers, spans, ql = data.ruler_sample(tok, random.Random(1), task, 8, 128,
                                                              depth)
             text, question = tok.decode(ctx.flatten().tolist()), tok.decode(idx.tolist())
             assert ctx.shape == (8, 128) and ql == len(idx) and len(answers) == len(spans) == asked
-            assert text.count("One of the special magic numbers for ") == needles
             for value, (s, e) in zip(answers, spans):
                 assert text.count(value) == 1 and tok.decode(ctx.flatten()[s:e].tolist()) == value
+                shape = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+                assert re.fullmatch(shape if kind == "uuids" else r"\d{7}", value)
+            key = re.search(f"magic {kind[:-1]}s? for (.*?) mentioned", question).group(1)
+            if data.RULER_TASKS[task][5] == 1:   # one key asked: in the haystack with its values
+                assert text.count(key) == data.RULER_TASKS[task][4]
+            if haystack == "needle":   # every line of the haystack a needle of another key
+                lines = text.split("\n")[1:-1]   # (the intro's line, and a cut last one)
+                assert len(lines) > 3 and all(re.fullmatch(
+                    f"One of the special magic {kind} for (.+) is: (.+)\\.", s) for s in lines)
+            else:
+                assert text.count(f"One of the special magic {kind} for ") == needles
             if task == "niah_single_1":   # the passkey's filler; the needle at its depth
                 at = text.index("One of the") - text.index("\n")
                 assert abs(at / (8 * 128 - text.index("\n") - 60) - depth) < 0.1

