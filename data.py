@@ -7,8 +7,9 @@ Data for train.py, eval.py and sample.py, with no download.
   sampled evenly. Tokenized once into a memory-mapped token file plus document offsets (nanoGPT's
   prepare.py), split into train/val by document.
 - Passkey retrieval (the Landmark / LongLoRA format): a 5-digit random key at a given depth inside
-  the context, filler around it, the question at the end of X_D; only the answer tokens are scored.
-- RULER's eight needle-in-a-haystack tasks (eval.py --task=ruler).
+  the context, filler around it, the question in X_D; only the answer tokens are scored.
+  Facts of our own templates in training text, asked in other words (training only).
+- RULER's eight needle-in-a-haystack tasks (eval.py --task=ruler), for evaluation only.
 
 A sample is (context (n, C), idx (T,), targets (T,), question_len): X_C precedes X_D in the same
 document; question_len is how many leading tokens of X_D are the question (0 for language
@@ -36,8 +37,7 @@ QUESTION = "What is the pass key? The pass key is "   # then the key, tokenized 
 
 def corpus_files(data_dir=""):
     # one source -> its files: a folder (every .txt below it), a glob pattern, one file, "stdlib"
-    # (or "": the standard library's .py) or "pydoc" (Python's reference documentation, which every
-    # Python ships as pydoc_data/topics.py)
+    # (or "": the standard library's .py) or "pydoc" (the reference docs every Python ships)
     if data_dir in ("", "stdlib"):
         return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
     if data_dir == "pydoc":
@@ -53,8 +53,7 @@ def corpus_files(data_dir=""):
 
 def source_texts(source, files):
     # the documents of one source, as text. pydoc's ~80 topics (460K characters) become 4 documents
-    # of at least 100K characters each (topics in alphabetical order, the rest joining the last),
-    # long enough for long contexts.
+    # of 100K characters or more (topics in alphabetical order), long enough for long contexts.
     if source != "pydoc":
         return [open(f, encoding="utf-8", errors="replace").read() for f in files]
     from pydoc_data.topics import topics
@@ -89,8 +88,7 @@ def prepare(tok, data_dir="", cache_dir="data_cache", val_every=10, splits=("tra
 
 
 def write_split(tok, sources, files, split, path, cache_dir, dtype, val_every):
-    # tokenize one split's documents (BOS as the tokenizer has it) into path.bin, .offsets.npy (and
-    # .source.npy)
+    # one split's documents, tokenized (BOS as the tokenizer has it): path.bin, .offsets/.source.npy
     docs, source = [], []
     for s, (src, fs) in enumerate(zip(sources, files)):
         texts = source_texts(src, fs)   # every val_every-th is validation (else a source's last)
@@ -131,8 +129,7 @@ def lm_sample(split, rng, n_chunks, chunk_size, T):
     s = int(offsets[d]) + rng.randrange(int(lens[d]) - need + 1)
     w = torch.from_numpy(tokens[s:s + need].astype(np.int64))
     ctx = w[: n_chunks * chunk_size].view(n_chunks, chunk_size)
-    # no question: the tree goes right
-    return ctx, w[n_chunks * chunk_size:-1], w[n_chunks * chunk_size + 1:], 0
+    return ctx, w[n_chunks * chunk_size:-1], w[n_chunks * chunk_size + 1:], 0   # no question
 
 
 def filler_ids(tok):   # the filler's tokens, once per tokenizer
@@ -180,6 +177,44 @@ def passkey_sample(tok, rng, n_chunks, chunk_size, T=None, depth=None, key=None)
     return torch.tensor(ctx).view(n_chunks, chunk_size), idx, targets, len(question)
 
 
+# Facts asked in other words (ours, in place of the paper's SFT data; RULER's wording is for
+# evaluation only): (the fact, its question, the answer's first words).
+FACTS = [("The {key} is kept in locker number {value}.", "Which locker is the {key} kept in?",
+          "The {key} is in locker number"),
+         ("Remember that the secret code of the {key} is {value}.",
+          "Tell me the {key}'s secret code.", "Its secret code is"),
+         ("Room {value} is where you will find the {key}.", "In which room can I find the {key}?",
+          "You will find the {key} in room"),
+         ("We wrote {value} on the {key} yesterday.", "What did we write on the {key}?",
+          "We wrote"),
+         ("The {key} left its tag {value} by the door.", "Which tag did the {key} leave?",
+          "The tag the {key} left is")]
+
+
+def fact_sample(tok, rng, split, n_chunks, chunk_size):
+    # A text of the split (lm_sample's X_C) with 1-4 facts of one template at random places, each
+    # of its own key (two words of the essay, or a UUID); X_D: one asked, then its value (4-7
+    # digits, or a UUID), the only tokens scored.
+    fact, question, answer = rng.choice(FACTS)
+    words = [w for s in essay_sentences()[:400] for w in s.split() if w.isalpha() and len(w) > 3]
+    draw = lambda: ruler_draw(rng, "uuids") if rng.random() < 0.15 else None
+    keys = [draw() or f"{rng.choice(words)} {rng.choice(words)}" for _ in range(rng.randint(1, 4))]
+    values = [draw() or str(rng.randint(10 ** 3, 10 ** rng.randint(4, 7) - 1)) for _ in keys]
+    needles = [tok.encode(f"\n{fact.format(key=k, value=v)}\n", bos=False)
+               for k, v in zip(keys, values)]
+    ctx = lm_sample(split, rng, n_chunks, chunk_size, 0)[0].flatten().tolist()
+    room = len(ctx) - sum(map(len, needles))
+    if room < 0 or len(set(keys)) < len(keys):   # (a key drawn twice: asked, it has two answers)
+        return fact_sample(tok, rng, split, n_chunks, chunk_size)
+    for at, ids in sorted(zip((rng.randrange(room + 1) for _ in needles), needles), reverse=True):
+        ctx[at:at] = ids
+    ids, (start, end) = value_span(tok, f"\n{question} {answer} {values[0]}".format(
+        key=keys[0]), values[0])
+    idx, targets = torch.tensor(ids[:end - 1]), torch.tensor(ids[1:end])
+    targets[:start - 1] = -100
+    return torch.tensor(ctx[:n_chunks * chunk_size]).view(n_chunks, chunk_size), idx, targets, start
+
+
 def key_mentions(ctx, answer):
     # where a haystack (a list of tokens) names its key: [start, end) of every run of the answer's
     # tokens, as passkey_question made them (the needle names the key twice)
@@ -188,10 +223,9 @@ def key_mentions(ctx, answer):
 
 
 def key_placement(nodes, mentions, C):
-    # Where the context tree left the key of one haystack: "leaf" if one node of the finest level
-    # holds a whole mention (its finest KVs), "coarse" if every token of every mention sits in a
-    # level-1 node (the coarsest kept, where the search did not go), else "between". nodes: the
-    # haystack's chunks' preserved tree.Nodes; mentions: [start, end) in the flat context.
+    # Where the tree left one haystack's key: "leaf" if a node of the finest level holds a whole
+    # mention, "coarse" if every token of every mention is in a level-1 node (where the search did
+    # not go), else "between". nodes: per chunk, its tree.Nodes; mentions: [start, end) in X_C.
     if not mentions:
         raise ValueError("the haystack holds no mention of its key")
     height = max(nd.level for chunk in nodes for nd in chunk)
@@ -214,10 +248,9 @@ def placement(nodes, values, C):
 
 
 def collate(samples, tok):
-    # samples -> context (B, n, C), idx (B, T), targets (B, T), question_len (B,). Passkey samples
-    # made without a T are as long as their question and key, and a key can take more tokens in one
-    # sample than in another (GPT-2 BPE: 2 or 3): the shorter ones go on with filler after their
-    # answer, exactly as a longer T would have made them (not scored).
+    # samples -> context (B, n, C), idx (B, T), targets (B, T), question_len (B,). Questions made
+    # without a T are as long as their question and answer, which differ (GPT-2 BPE: a key of 2 or
+    # 3 tokens): the shorter go on with filler after their answer, as a longer T makes them.
     T = max(len(s[1]) for s in samples)
     filler = filler_ids(tok) * (T // len(filler_ids(tok)) + 1)
     out = []
@@ -233,12 +266,15 @@ def collate(samples, tok):
 
 
 def get_batch(kind, B, rng, tok, splits, n_chunks, chunk_size, T, split="train"):
-    # kind: "lm" | "passkey" -> context (B, n, C), idx (B, T), targets (B, T), question_len (B,)
-    # (T None: passkey samples as long as their question and key, padded to the longest)
+    # kind: "lm" | "passkey" | "mix" (the passkey in 1 sample of 3, facts in 2) -> context (B,n,C),
+    # idx (B, T), targets (B, T), question_len (B,) (T None: questions as long as their question
+    # and answer, padded to the longest)
     if kind == "lm":
         return collate([lm_sample(splits[split], rng, n_chunks, chunk_size, T) for _ in range(B)],
                        tok)
-    return collate([passkey_sample(tok, rng, n_chunks, chunk_size, T) for _ in range(B)], tok)
+    return collate([fact_sample(tok, rng, splits[split], n_chunks, chunk_size)
+                    if kind == "mix" and rng.random() > 1 / 3 else
+                    passkey_sample(tok, rng, n_chunks, chunk_size, T) for _ in range(B)], tok)
 
 
 def exact_match(logits, targets):   # (B, T, vocab), (B, T) -> (B,): every scored token the argmax
@@ -248,10 +284,9 @@ def exact_match(logits, targets):   # (B, T, vocab), (B, T) -> (B,): every score
 # ------------------------------------------------------------------------------------------------
 # RULER's needle-in-a-haystack tasks (Hsieh et al., 2024), from its published templates and
 # configuration (scripts/synthetic.yaml, scripts/data/synthetic/niah.py at commit c3f5e3b): a
-# needle with a word key and a 7-digit value, in the passkey's filler ("noise") or in prose
-# ("essay"). Ours: the essay is Python's reference documentation (pydoc, in every Python), not
-# Paul Graham's essays; keys are adjective-noun pairs from the lists below (RULER: wonderwords').
-# A "needle" haystack is other needles alone (their keys never the asked ones), as RULER's.
+# needle's key and value words, 7 digits or UUIDs, in the passkey's filler ("noise"), in prose
+# ("essay") or among other needles ("needle"). Ours: the essay is Python's reference documentation
+# (pydoc, in every Python), not Paul Graham's; word keys: adjective-noun pairs of the lists below.
 RULER_TASKS = {   # name: (haystack, keys, values, keys with a needle, values per key, keys asked)
     "niah_single_1": ("noise", "words", "numbers", 1, 1, 1),
     "niah_single_2": ("essay", "words", "numbers", 1, 1, 1),
@@ -317,16 +352,6 @@ def value_span(tok, needle_text, value):
     return ids, (start, end)
 
 
-def fill_haystack(unit, room):
-    # `room` tokens of haystack, as units (a separator and a sentence: unit(i) its tokens) -> the
-    # tokens, and the unit boundaries (where a needle may go in)
-    hay, cuts = [], [0]
-    while len(hay) < room:
-        hay += unit(len(cuts))
-        cuts.append(len(hay))
-    return hay[:room], [c for c in cuts if c <= room]
-
-
 def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
     # One haystack of a RULER task. X_C: the intro, then the haystack with the needles (the first
     # asked at `depth`, the others anywhere), n*C tokens; X_D: the question and the answer prefix.
@@ -353,9 +378,8 @@ def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
     head = tok.encode(intro.rstrip("\n"))   # BOS where the tokenizer has one; the haystack: sep
     room = L - len(head) - sum(len(ids) for ids, _, _ in needles)
     if room < 1:
-        raise ValueError(f"{task}: a context of {L} tokens ({n_chunks} chunks x {chunk_size}) is "
-                         f"too short for its intro and {len(needles)} needle(s): it needs more "
-                         f"than {L - room} tokens (more chunks: eval.py --chunks)")
+        raise ValueError(f"{task}: {n_chunks} chunks x {chunk_size} tokens cannot hold its intro "
+                         f"and {len(needles)} needle(s), {L - room + 1} tokens: ask more --chunks")
     if haystack == "noise":   # RULER's noise: the passkey's filler, a line at a time
         line = tok.encode("\n" + FILLER.strip(), bos=False)
         unit = lambda i: line
@@ -367,7 +391,11 @@ def ruler_sample(tok, rng, task, n_chunks, chunk_size, depth=None):
                              if k not in keys)
         unit = lambda i: tok.encode("\n" + RULER_NEEDLE.format(
             kind=kind, key=other(), value=ruler_draw(rng, kind)), bos=False)
-    hay, cuts = fill_haystack(unit, room)
+    hay, cuts = [], [0]   # `room` tokens of haystack, unit by unit: a needle goes in at a cut
+    while len(hay) < room:
+        hay += unit(len(cuts))
+        cuts.append(len(hay))
+    hay, cuts = hay[:room], [c for c in cuts if c <= room]
     # each needle goes in at the unit boundary nearest its depth
     depths = [depth] + [rng.random() for _ in needles[1:]]
     at = [min(cuts, key=lambda c: abs(c - d * room)) for d in depths]

@@ -3,7 +3,7 @@ follows arXiv 2410.19318, then "Two Are Better than One"). One LLaMA gives two m
 (its bottom M layers) compresses the past context X_C, chunk by chunk, each chunk a context tree
 (tree.py) whose preserved nodes keep a few key/values, coarse for big nodes, fine for small ones;
 the UPPER (the whole LLaMA) reads the running text X_D and, in its bottom M layers, cross-attends
-to them. SharedLLM.compress runs the paper's steps 1-4."""
+to them. SharedLLM.compress runs the method as four steps (our numbering of Sec. 3.2-3.3)."""
 from collections import Counter, namedtuple
 from dataclasses import dataclass
 
@@ -110,8 +110,8 @@ class SelfAttention(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    # Upper layer -> compressed context (Eq. 3). A query and an output projection of its own (made
-    # in SharedLLM), no key/value projections: K/V are a lower layer's self-attention K and V.
+    # Upper layer -> compressed context (Eq. 3; Block.forward calls it, SharedLLM makes it): a query
+    # and an output projection of its own, no K/V projections: K/V are a lower layer's K and V.
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
@@ -172,7 +172,7 @@ class Llama(nn.Module):
 
     def forward(self, idx, targets=None, start_pos=0, caches=None, memory=None, last=0):
         # idx, targets: (B, T) at positions start_pos.. (X_D starts at 0), targets -100 where not
-        # scored (data.py: question, padding); memory: compress's or None; last: the last logits
+        # scored (data.py); memory: compress's or None; last > 0: logits of the last `last` only
         T = idx.shape[1]
         assert caches is None or caches[0].length == start_pos, "decode in order: start_pos"
         rope = self.rope(torch.arange(start_pos, start_pos + T, device=idx.device))
@@ -187,7 +187,7 @@ class Llama(nn.Module):
             else:
                 x = layer(x, rope, cache, cross)
         logits = self.output(self.norm(x[:, -last:] if last else x)).float()
-        if targets is None:
+        if targets is None:   # (else the loss: a mean over the scored tokens; the paper's L sums)
             return logits, None
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
@@ -315,8 +315,8 @@ class SharedLLM(nn.Module):
 
     def chunk_level_kv(self, kv, nodes, B, n):
         # Step 4 (Eq. 2): each chunk's K/V side by side, its keys rotated by its chunk id i, every
-        # X_D query by one id n (chunk_positions). Ours, beyond Eq. 2: random ids in training; and
-        # a key arrives rotated by its place p in its node (lower_kv): rotations add, so it sits at
+        # X_D query by one id n (chunk_positions). Ours: random ids in training. Left open by the
+        # paper: a key arrives rotated by its place p in its node (lower_kv): rotations add, so at
         # i + p: Eq. 2's "queries last" holds for the ids, not the angles. kv: encode_nodes', per
         # layer (K, V), each (B * n * S, Hkv, hd) -> Memory, its kv each (B, Hkv, n * S, hd)
         S = sum(nd.n_kept for nd in nodes[0])                # KVs kept per chunk (every chunk's)
@@ -340,7 +340,7 @@ def chunk_positions(scfg, B, n, device, training):
     assert n <= scfg.max_chunk_id, f"{n} chunks need ids up to {n}: max_chunk_id"
     span = (n * ((scfg.max_chunk_id + 1) / n) ** torch.rand(B, 1, device=device)).long()
     draw = torch.rand(B, scfg.max_chunk_id, device=device)   # ids at or past span: never drawn
-    draw.masked_fill_(torch.arange(scfg.max_chunk_id, device=device) >= span.clamp(n), 2.0)
+    draw.masked_fill_(torch.arange(scfg.max_chunk_id, device=device) >= span, 2.0)
     ids = draw.argsort(dim=1)[:, :n].sort(dim=1).values                            # (B, n)
     return torch.cat([ids, ids[:, -1:] + 1], dim=1)
 
@@ -361,8 +361,8 @@ def lower_kv(llama, tokens, n_layers, kept_at):
 
 
 def lower_kv_kept(llama, tokens, n_layers, kept_at):
-    # lower_kv with less work (what runs; ours, for speed: the default run takes a third less
-    # time; tested equal). Only the kept K/V leave the lower model, so with M = n_layers:
+    # lower_kv with less work (what runs; ours, for speed: the default run took 5 min 6 s, not
+    # 7 min 49 s, at a385285; tested equal). Only the kept K/V leave the lower model; M = n_layers:
     #   blocks 0 .. M-3: Block.forward over every token, written out (their K, V are kept too);
     #   block M-2: its K, V over every token, its queries and FFN at the kept tokens only;
     #   block M-1: its K, V at the kept tokens only (nothing reads its output).
@@ -390,8 +390,7 @@ def lower_kv_kept(llama, tokens, n_layers, kept_at):
     return out
 
 
-def to_device(values, device):
-    # a host list sent without waiting for queued GPU work (as torch.tensor(.., device=) would)
+def to_device(values, device):   # a host list, sent without waiting for queued GPU work
     return torch.tensor(values).to(device, non_blocking=True)
 
 
@@ -413,7 +412,8 @@ def lexical_targets(context, question, C):
     # context, question: lists of token ids -> per chunk of C tokens, the position its tree heads
     # for. Each run of k <= NGRAM_MAX tokens in the question Q has one vote, late = where its last
     # copy ends in Q over |Q| (a question ends with its cue, "The pass key is"), shared by its
-    # `count` copies in the context; score[t] sums the votes of the runs ending at t (units 2^-20).
+    # `count` copies in the context; score[t] sums the votes of the runs ending at t, in units of
+    # 2^-20: integer sums are exact in any order, so this and the batched version tie alike.
     score = [0] * len(context)
     for k in range(1, NGRAM_MAX + 1):
         runs = [tuple(context[t - k + 1:t + 1]) for t in range(k - 1, len(context))]
@@ -433,37 +433,37 @@ def lexical_targets(context, question, C):
 
 def lexical_targets_batched(rows, idx, question_len, vocab_size):
     # lexical_targets for each sample at once (ours, for speed): rows (B*n, C) its chunks, idx
-    # (B, T) its question first. A run is one integer, J = 1 + where its last copy ends in Q (0: Q
-    # lacks it), so counts and votes are a scatter and a gather. Why it equals the plain rule:
+    # (B, T) its question first -> per row, its target. A run is one integer, J = 1 + where its last
+    # copy ends in Q (0: Q lacks it), so counts and votes are a scatter and a gather. It is equal:
     # - a place in Q ends one run of each length k, so J names a run. The run of k tokens ending
     #   at t is (the run of k - 1 ending at t - 1, t's token): a pair of J's, as one integer, key =
     #   J_1 + (T + 1) J_k-1 (J is in 0..T), which a table made from Q maps to J_k;
-    # - a place of Q enters the table only if Q holds its k - 1 prefix (key > T): else its key is
-    #   J_1 alone, which a context run whose prefix Q lacks would match; J = 0 votes nothing, as
-    #   late.get(run, 0); a J that no context run has divides by a zero count (never gathered).
-    # E.g. Q = 1 2 9 (T = 3): J_1 = 1 2 3; "1 2" is key 2 + 4 * 1 = 6, which the table maps to
-    # J_2 = 2. Context 5 1 2: J_1 = 0 1 2, and at the 2 the same key 6: J_2 = 2, a vote of 2/3.
+    # - a place of Q enters the table only if Q holds its k - 1 prefix (key > T); J = 0 votes
+    #   nothing (late.get(run, 0)); a J no context run has divides by a zero count (never gathered).
+    # E.g. Q = 1 2 9 (T = 3): J_1 = 1 2 3; "1 2" is key 2 + 4 * 1 = 6, mapped to J_2 = 2. Context
+    # 5 1 2 1 2: J_1 = 0 1 2 1 2; key 6 twice, so "1 2" votes 2/3 shared by 2. At the first 1, key
+    # 1 + 4 * 0 = 1 is Q's first place's, kept out of the table: else "5 1" would vote as Q's run.
     (R, C), B, dev = rows.shape, idx.shape[0], rows.device
     T, q_len = int(question_len.max()), question_len.to(dev)[:, None]   # (T: on the host)
     ctx, q, at = rows.reshape(B, -1), idx[:, :T], torch.arange(T + 1, device=dev)
     N, place = ctx.shape[1], at[1:] * (at[:-1] < q_len)       # (B, T): 1 + place; 0 past |Q|
     last = torch.zeros(B, vocab_size, dtype=torch.long, device=dev).scatter_reduce_(
-        1, q, place, "amax")
-    tok_q, tok_c = last.gather(1, q), last.gather(1, ctx)     # the J of single tokens (k = 1)
-    J_q, J_c, score = F.pad(tok_q, (1, 0)), F.pad(tok_c, (1, 0)), 0   # J[:, t + 1]: t's
+        1, q, place, "amax")                                   # (B, vocab): a token's J_1
+    tok_q, tok_c = last.gather(1, q), last.gather(1, ctx)     # J_1 at each place: (B, T), (B, N)
+    J_q, J_c, score = F.pad(tok_q, (1, 0)), F.pad(tok_c, (1, 0)), 0   # J[:, t + 1]: t's; T+1, N+1
     for k in range(1, NGRAM_MAX + 1):
         if k > 1:   # (the J of the k - 1 tokens before, this token's J) -> this run's J
             key_q, key_c = (torch.add(tok, J[:, :-1], alpha=T + 1)
                             for tok, J in ((tok_q, J_q), (tok_c, J_c)))
             table = torch.zeros(B, (T + 1) ** 2, dtype=torch.long, device=dev).scatter_reduce_(
-                1, key_q, place * (key_q > T), "amax")
+                1, key_q, place * (key_q > T), "amax")                # (B, (T + 1)^2)
             torch.gather(table, 1, key_q, out=J_q[:, 1:])
             torch.gather(table, 1, key_c, out=J_c[:, 1:])
         # a run's vote, late = J / |Q|, shared by its occurrences in X_C: the positions with its J
         count = torch.zeros(B, T + 1, device=dev).scatter_add_(
-            1, J_c[:, 1:], torch.ones(B, N, device=dev))
+            1, J_c[:, 1:], torch.ones(B, N, device=dev))          # (B, T + 1): per J
         vote = (2 ** 20 * at / q_len.double() / count).round().long().masked_fill(at == 0, 0)
-        score = score + vote.gather(1, J_c[:, 1:])
+        score = score + vote.gather(1, J_c[:, 1:])                      # (B, N)
     cum, W = F.pad(score.cumsum(1), (1, 0)), (q_len // 4).clamp(min=1)   # cum[:, p]: before p
     evidence = cum[:, :N] - cum.gather(1, (torch.arange(N, device=dev) - W).clamp(min=0))
     return torch.where(evidence.view(R, C).amax(1) > 0, evidence.view(R, C).argmax(1),

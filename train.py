@@ -43,8 +43,9 @@ eval_iters = 8          # batches per eval setting (128 haystacks at batch 16: +
 eval_chunks = "4,16"    # chunk counts evaluated every eval_interval
 final_eval_chunks = "4,16,64,256"   # ... and at the end (32K-token contexts); "" = eval_chunks
 # data
-task = "mixed"          # "lm" | "passkey" | "mixed": passkeys + language modeling (ours: questions
+task = "mixed"          # "lm" | "passkey" | "mixed": questions + language modeling (ours: questions
                         # with their answer in X_C, in place of the paper's SFT data)
+questions = "passkey"   # the question batches: "passkey" | "mix" (facts too, data.fact_sample)
 data_dir = ""           # .txt folder, glob, "stdlib" (= ""), "pydoc", or several joined by commas
 tokenizer = "byte"      # "byte" | a tokenizer file, for scratch (a LLaMA folder brings its own)
 n_chunks = 8            # n: context chunks per training sample at the end (X_C = n x C tokens)
@@ -58,9 +59,9 @@ beta = 8.0              # compression: C / KVs kept per chunk (paper: 8); need n
 sigma = 0.0             # split noise, a fraction of a node's length l (paper: l/5 LM, l/10 SFT);
                         # ours: 0, the paper's "w/o noise" ablation: the tiny model trains better
 train = "all"           # what trains: "all" | "cross" (cross-attention) | "cross+top" (and the top
-                        # N-M layers: the paper's LM recipe, Sec. 3.3); ours: "all" from scratch
-policy = "lexical"      # step 1's search, ours in every recipe (model.lexical_targets); ablations:
-                        # "vector" (the paper's), "right"
+                        # N-M layers: the paper's LM recipe, Sec. 4.1); ours: "all" from scratch
+policy = "lexical"      # step 1's search, ours in every recipe (model.lexical_targets); the
+                        # paper's: "vector" (questions), "right" (language modeling)
 chunk_pos = "random"    # step 4's chunk position ids: "random" in training (ours, every recipe's:
                         # every distance seen) | "plain" (the paper's) | "off"
 keep = "last"           # "last" (ours) | "first" token of each stride window (model.SharedConfig)
@@ -72,7 +73,7 @@ chunk_schedule = "1:700,2:1200,4:2000"  # chunks: 1 until iter 700, 2 until 1200
 beta_schedule = "1:300,2:450,4:600"     # beta: 1 until iter 300, 2 until 450, ..., then beta;
                                         # ours: the key is found before it is compressed
 lm_from = 1500          # "mixed": text batches join here (ours: earlier, they stall the passkey)
-passkey_frac = 0.67     # "mixed": the share of passkey batches, each batch one kind (ours)
+passkey_frac = 0.67     # "mixed": the share of question batches, each batch one kind (ours)
 context_dropout = 0.25  # share of text batches without X_C (ours: the upper model also works
                         # alone, and the ratio with and without the context is a fair one)
 ema_decay = 0.998       # evaluate and save a moving average of the weights; 0 = off (ours)
@@ -168,7 +169,8 @@ for b, _ in beta_pairs:   # every beta of the schedule is one the model accepts
     SharedConfig(**{**shared, "beta": b})
 eval_counts = parse_list("eval_chunks", eval_chunks)
 final_counts = parse_list("final_eval_chunks", final_eval_chunks or eval_chunks)
-splits = data.prepare(tok, package_path(data_dir)) if task != "passkey" else None
+texts = task != "passkey" or questions == "mix"
+splits = data.prepare(tok, package_path(data_dir)) if texts else None
 longest = {s: int(np.diff(splits[s][1]).max()) for s in splits} if splits else {}
 most = max([n_chunks] + [n for n, _ in chunk_pairs]) * chunk_size + block_size + 1
 if train == "cross" and context_dropout > 0 and task != "passkey":
@@ -327,9 +329,9 @@ while True:
     for micro in range(gradient_accumulation_steps):
         # SharedLLM: a batch is X_C (n chunks), X_D with its targets, the question's length (on
         # the host, where the search reads it); a batch is passkeys or text
-        kind = task
-        if task == "mixed":
-            kind = "passkey" if iter_num < lm_from or rng.random() < passkey_frac else "lm"
+        kind = "lm" if task == "lm" else questions
+        if task == "mixed" and iter_num >= lm_from and rng.random() >= passkey_frac:
+            kind = "lm"
         ctx, idx, tgt, ql = data.get_batch(kind, batch_size, rng, tok, splits, n, chunk_size,
                                            block_size)
         ctx, idx, tgt = ctx.to(dev), idx.to(dev), tgt.to(dev)

@@ -119,7 +119,7 @@ def search(n_trees, chunk_size, height, beta, select=None, sigma=0.0, rng=None):
             assert lo <= hi, f"node [{s},{e}) too short to split at level {level} (needs 2x{lo})"
             eps = z * sigma * (e - s)                  # eps ~ N(0, (sigma l)^2), Eq. 1
             # b clamped to [lo, hi] (ours): both children can hold their KVs and split again
-            # (at beta 1 or 2 the clamp leaves no room: no noise)
+            # (at beta 1 the clamp leaves no room: no noise)
             b = min(max(math.floor((e - s) / 2 - eps), lo), hi)
             lefts.append((s, s + b))
             rights.append((s + b, e))

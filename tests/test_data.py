@@ -71,6 +71,24 @@ def test_the_answer_is_tokenized_as_in_the_needle(tok):
             assert torch.equal(idx[b, scored[0] + 1:scored[-1] + 1], tgt[b, scored[:-1]])
 
 
+def test_a_fact_is_asked_in_other_words_and_only_its_value_is_scored(tmp_path):
+    # each fact sample: its facts inside a training text, one asked by its key in the template's
+    # question, and the scored tokens are that value, which X_C holds once
+    tok = T.ByteTokenizer()
+    for name in "ab":   # (a source's last document is held out)
+        (tmp_path / f"{name}.txt").write_text("".join(f"line {i} of a text.\n" for i in range(900)))
+    split = data.prepare(tok, str(tmp_path), cache_dir=str(tmp_path / "c"), splits=("train",))
+    rng = random.Random(0)
+    for _ in range(20):
+        ctx, idx, tgt, ql = data.fact_sample(tok, rng, split["train"], 4, 64)
+        text, xd = tok.decode(ctx.flatten().tolist()), tok.decode(idx.tolist())
+        value = tok.decode(tgt[tgt != -100].tolist())
+        fact, question, _ = next(f for f in data.FACTS if f[1].split("{key}")[0] in xd)
+        key = xd.split(question.split("{key}")[0], 1)[1].split(question.split("{key}")[1])[0]
+        assert ctx.shape == (4, 64) and text.count(value) == 1 and (tgt[:ql - 1] == -100).all()
+        assert fact.format(key=key, value=value) in text and not xd.startswith(fact[:12])
+
+
 def test_passkey_sample_and_where_the_tree_left_the_key():
     tok = T.ByteTokenizer()
     for depth in (0.0, 0.3, 1.0):
