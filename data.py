@@ -193,13 +193,13 @@ FACTS = [("The {key} is kept in locker number {value}.", "Which locker is the {k
 
 def fact_sample(tok, rng, split, n_chunks, chunk_size):
     # A text of the split (lm_sample's X_C) with 1-4 facts of one template at random places, each
-    # of its own key (two words of the essay, or a UUID); X_D: one asked, then its value (4-7
-    # digits, or a UUID), the only tokens scored.
+    # of its own key (two words of the essay); X_D: one asked, then its value (4-7 digits, or a
+    # UUID), the only tokens scored.
     fact, question, answer = rng.choice(FACTS)
     words = [w for s in essay_sentences()[:400] for w in s.split() if w.isalpha() and len(w) > 3]
-    draw = lambda: ruler_draw(rng, "uuids") if rng.random() < 0.15 else None
-    keys = [draw() or f"{rng.choice(words)} {rng.choice(words)}" for _ in range(rng.randint(1, 4))]
-    values = [draw() or str(rng.randint(10 ** 3, 10 ** rng.randint(4, 7) - 1)) for _ in keys]
+    keys = [f"{rng.choice(words)} {rng.choice(words)}" for _ in range(rng.randint(1, 4))]
+    values = [ruler_draw(rng, "uuids") if rng.random() < 0.1 else   # (a UUID: ~37 tokens of X_D)
+              str(rng.randint(10 ** 3, 10 ** rng.randint(4, 7) - 1)) for _ in keys]
     needles = [tok.encode(f"\n{fact.format(key=k, value=v)}\n", bos=False)
                for k, v in zip(keys, values)]
     ctx = lm_sample(split, rng, n_chunks, chunk_size, 0)[0].flatten().tolist()

@@ -17,7 +17,7 @@ try:
     from flash_attn import flash_attn_func
 except ImportError:
     flash_attn_func = None
-ENCODE_TOKENS = 4096   # tokens a step 3 call encodes: its memory bounded; other sizes no faster
+ENCODE_TOKENS = 4096   # tokens a step 3 call encodes: memory bounded; others no faster (e0f5437)
 
 # ---------------------------------------------- LLaMA -------------------------------------------
 @dataclass
@@ -222,10 +222,9 @@ Memory = namedtuple("Memory", "kv q_rope nodes")
 class SharedLLM(nn.Module):
     def __init__(self, llama, scfg):
         super().__init__()
-        cfg = llama.cfg
-        assert scfg.n_lower <= cfg.n_layers, f"n_lower (M) {scfg.n_lower} of {cfg.n_layers} layers"
         # the lower model is the upper's own bottom M layers (the same weights): one checkpoint
-        self.scfg, self.upper, p = scfg, llama, llama.output.weight
+        self.scfg, self.upper, cfg, p = scfg, llama, llama.cfg, llama.output.weight
+        assert scfg.n_lower <= cfg.n_layers, f"n_lower (M) {scfg.n_lower} of {cfg.n_layers} layers"
         for blk in llama.layers[:scfg.n_lower]:   # the bottom M layers cross-attend: i reads i
             blk.cross_norm = RMSNorm(cfg.dim, cfg.norm_eps).to(p.device, p.dtype)
             blk.cross_attention = CrossAttention(cfg).to(p.device, p.dtype)
@@ -293,7 +292,8 @@ class SharedLLM(nn.Module):
     def encode_nodes(self, rows, nodes):
         # Step 3 (Sec. 3.2): each preserved node, a sequence of its own, through the lower model's
         # M layers, each layer's K (rotated) and V kept at tree.kept_positions (lower_kv says it,
-        # lower_kv_kept runs it); a level's nodes go through together, padded, ENCODE_TOKENS a call
+        # lower_kv_kept runs it). A level's nodes go through together, ENCODE_TOKENS a call, padded
+        # (lengths differ across trees); each keeps the level's count, so kept_at is rectangular.
         # -> per layer (K, V), each (R * KVs a chunk, Hkv, hd), row by row in text order
         (R, C), M = rows.shape, self.scfg.n_lower   # the lower model: the upper's bottom M layers
         kept, order_key = [([], []) for _ in range(M)], []   # each layer's K, V; a sort key
@@ -330,9 +330,9 @@ class SharedLLM(nn.Module):
 def chunk_positions(scfg, B, n, device, training):
     # Eq. 2's chunk-level position ids, (B, n + 1): chunk i's keys at [:, i], the X_D queries at
     # [:, n]. "plain" (the paper): 0..n. "off": all 0, so no chunk is told from another. "random"
-    # (ours; plain at inference): in training, n sorted distinct ids below a span log-uniform in
-    # n..max_chunk_id (near, as at inference, is common; far is seen), the queries one past the
-    # last: every distance trains (Ruoss et al., 2023). E.g. n = 3, span 5: ids 0 2 4, queries 5.
+    # (ours; plain at inference): in training, n sorted distinct ids below a span n ((max + 1) /
+    # n)^u, u uniform in [0, 1) (near, as at inference, is common; far is seen), the queries one
+    # past the last: every distance trains (Ruoss et al., 2023). E.g. n = 3, span 5: ids 0 2 4, 5.
     if scfg.chunk_pos == "off":
         return torch.zeros(B, n + 1, dtype=torch.long, device=device)
     if scfg.chunk_pos == "plain" or not training:

