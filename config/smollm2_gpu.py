@@ -1,4 +1,4 @@
-# SmolLM2-135M on one GPU: the CPU recipe (config/smollm2_cpu.py) with room to breathe. bf16
+# SmolLM2-135M on one GPU: the CPU LM recipe (config/smollm2_lm_cpu.py) with room to breathe. bf16
 # autocast, the frozen model in bf16 and the cross-attention in fp32 (master weights), batches of 8,
 # longer contexts (8 x 512 tokens of X_C, 4K, half SmolLM2's window) and 500 steps of 8 samples.
 #   pip install -r requirements.txt gguf==0.19.0 && pip install --no-deps -r requirements-real.txt
