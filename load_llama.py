@@ -15,7 +15,6 @@ Two formats:
   python load_llama.py /path/to/Llama-2-7b-hf --prompt="The capital of France is"   # smoke test
 """
 import functools
-import json
 import os
 import pickle
 import sys
@@ -52,16 +51,9 @@ def names(table, cfg):
     return {t: o for t, o in out.items() if not (cfg.tie_embeddings and o == "output.weight")}
 
 
-def read_json(path):   # a damaged file is named: json's own error says only where in the text
-    try:
-        return json.load(open(path))
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
 def config_from_hf(ckpt_dir):
     path = os.path.join(ckpt_dir, "config.json")
-    c = read_json(path)
+    c = T.read_json(path)
     if c.get("model_type") != "llama" or c.get("rope_scaling"):
         raise ValueError(f"{path}: model_type {c.get('model_type')!r}, rope_scaling "
                          f"{c.get('rope_scaling')}; expected 'llama' with plain RoPE")
@@ -84,7 +76,7 @@ def safetensors_files(ckpt_dir):   # model.safetensors, or the shards its index 
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
     files = [os.path.join(ckpt_dir, "model.safetensors")]
     if os.path.isfile(index):
-        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
+        shards = sorted(set(T.read_json(index).get("weight_map", {}).values()))
         files = [os.path.join(ckpt_dir, f) for f in shards]
     for f in files:
         if not os.path.isfile(f):
@@ -232,7 +224,7 @@ def load_tokenizer(path):
     if path.endswith(".gguf"):
         tok = T.from_gguf_metadata(read_gguf(path)[1], path)
     elif os.path.isdir(path):
-        c = read_json(os.path.join(path, "config.json"))
+        c = T.read_json(os.path.join(path, "config.json"))
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             tok = T.from_tokenizer_json(os.path.join(path, "tokenizer.json"),
                                         c.get("bos_token_id"), c.get("eos_token_id"))

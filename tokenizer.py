@@ -112,13 +112,17 @@ def pattern_of(pre, source):   # an HF tokenizer.json pre-tokenizer as a tiktoke
                      "(byte-level BPE with the GPT-2 regex, or individual digits first)")
 
 
+def read_json(path):   # a damaged file is named (json's own error says only where in the text)
+    try:
+        return json.load(open(path, encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
 def from_tokenizer_json(path, bos_id=None, eos_id=None):
     # an HF tokenizer.json of model type BPE (byte-level). BOS/EOS ids come from the caller
     # (config.json) when known; whether BOS is added comes from the post-processor, as HF does it.
-    try:   # (json's own error names no file)
-        t = json.load(open(path, encoding="utf-8"))
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    t = read_json(path)
     m = t["model"]
     if m.get("type") != "BPE" or t.get("normalizer"):
         raise ValueError(f"{path}: not a byte-level BPE tokenizer (model {m.get('type')!r}, "
