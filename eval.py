@@ -114,17 +114,19 @@ def run_ppl(model, base, splits, ns, C, T, K, g, dev):
           f"tokens scored, the same tokens in every row and length. Rows: none = X_D alone, "
           f"window = {base.label} over the last W = {g['window']:,} tokens, full = all of them")
     print(f"{'chunks':>6} {'context':>9}  {'row':<9} {'ppl':>9} {'vs none':>7}")
-    res, none = [], None
+    res, same = [], {}   # rows that read the same tokens at every length, scored once
     for n in ns:
         r = {}
-        for row in rows:
-            if row == "none" and none is not None:   # the same X_D at every length
-                r[row] = none
+        for row in rows:   # none: X_D alone; window: its last W tokens, once X_C + X_D holds W
+            fixed = row == "none" or (row == "window" and n * C + T >= g["window"])
+            if fixed and row in same:
+                r[row] = same[row]
             elif row == "full" and g["window"] >= n * C + T:   # the window holds everything
                 r[row] = r["window"]
             else:
                 r[row] = score_ppl(model, splits["val"], windows, n, C, T, K, row, g, dev,
                                    base.upper)
+            same.update({row: r[row]} if fixed else {})
             none = r["none"]
             print(f"{n:6d} {n * C:9,d}  {row:<9} {r[row]:9.4f} {r[row] / none:7.3f}", flush=True)
         if "full" in r and r["full"] < none:
@@ -166,7 +168,7 @@ def score_cell(model, base, tok, task, n, C, cell, g, dev, row):
     # One cell: the mean score over its haystacks, and where SharedLLM's search left the asked
     # values. The passkey (batch_size haystacks a forward): exact match of the key's tokens.
     # RULER (one a forward): greedy decoding of as many tokens as the values take written out,
-    # scored by string_match_all. A window that holds no whole mention of the key is a miss.
+    # scored by string_match_all. A window where no asked value starts is a miss, unread.
     score, found, hay = 0.0, dict(leaf=0.0, between=0.0, coarse=0.0), list(
         haystacks(tok, task, n, C, cell, g))
     step = g["batch_size"] if task == "passkey" else 1
@@ -187,11 +189,12 @@ def score_cell(model, base, tok, task, n, C, cell, g, dev, row):
         elif row in ("window", "full"):   # the base model over the last W tokens
             W = g["window"] if row == "window" else n * C + T
             seq, upper = torch.cat([ctx.flatten(1), idx], 1)[:, -W:], base.upper
-            if task == "passkey":   # a key that starts before the window is missed
-                keep = [any(s >= n * C + T - W for s, _ in h[2][0]) for h in group]
+            # a haystack whose asked values all start before the window is a miss, unread
+            keep = [any(s >= n * C + T - W for m in h[2] for s, _ in m) for h in group]
+            if not any(keep):
+                continue
+            if task == "passkey":
                 seq, idx, tgt = seq[keep], idx[keep], tgt[keep]
-                if not len(seq):
-                    continue
         if tgt is not None:
             logits, _ = upper(seq, memory=memory, last=T)
             score += data.exact_match(logits, tgt).sum().item()
