@@ -229,3 +229,12 @@ def test_each_eval_row_reads_exactly_the_tokens_its_protocol_names():
     whole = torch.cat([ctx.flatten(), idx])
     assert torch.equal(seqs["none"][0], idx) and torch.equal(seqs["full"][0], whole)
     assert torch.equal(seqs["window"][0], whole[-100:])
+    # RULER's window row reads a haystack whose value starts in the window, and no other
+    class Unread:
+        def __getattr__(self, name):
+            raise LookupError("read")
+    base, g = types.SimpleNamespace(upper=Unread()), dict(samples=1, seed=0, window=300)
+    assert E.score_cell(model, base, tok, "niah_single_1", 4, 128, (0, 0, 0), g, "cpu",
+                        "window")[0] == 0   # the needle at the start
+    with pytest.raises(LookupError):         # ... and at the end
+        E.score_cell(model, base, tok, "niah_single_1", 4, 128, (1, 1, 1), g, "cpu", "window")
