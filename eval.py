@@ -126,7 +126,8 @@ def run_ppl(model, base, splits, ns, C, T, K, g, dev):
             else:
                 r[row] = score_ppl(model, splits["val"], windows, n, C, T, K, row, g, dev,
                                    base.upper)
-            same.update({row: r[row]} if fixed else {})
+            if fixed:
+                same[row] = r[row]
             none = r["none"]
             print(f"{n:6d} {n * C:9,d}  {row:<9} {r[row]:9.4f} {r[row] / none:7.3f}", flush=True)
         if "full" in r and r["full"] < none:

