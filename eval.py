@@ -3,7 +3,7 @@ Measure a SharedLLM as the paper and the field do, the protocol printed beside e
 
   python eval.py --task=ppl         # perplexity with vs without the compressed context
   python eval.py --task=passkey     # exact match over context lengths x key depths: a heatmap
-  python eval.py --task=ruler       # RULER's five needle tasks (Hsieh et al., 2024)
+  python eval.py --task=ruler       # RULER's eight needle tasks (Hsieh et al., 2024)
   python eval.py --task=search      # where each search leaves the asked values, and an oracle
   python eval.py --task=passkey --policy=right --out=right.json   # any ablation flag, any task
 
