@@ -17,7 +17,6 @@ from load_llama import load_tokenizer
 from tree import Node
 
 
-
 class GPT2(T.Tokenizer):   # GPT-2's BPE folds the space into the key (" 735", "12"): a hard case
     def __init__(self):
         import tiktoken
