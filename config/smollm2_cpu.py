@@ -19,8 +19,8 @@ train = "cross"              # 8.0M trainable parameters; the 134.5M of SmolLM2 
 context_dropout = 0.0        # the frozen model already reads X_D alone
 n_lower = 12                 # M: 12 of its 30 layers compress, and 12 cross-attend
 chunk_size = 512             # C
-n_chunks = 8                 # X_C = 8 x 512 tokens for the last 70 steps (more KVs to read past:
-chunk_schedule = "1:180,2:240,4:300"   # 64K read 70.8%, not 43.8%) ... after 1, 2, then 4 chunks
+n_chunks = 8                 # X_C = 8 x 512 tokens for the last 70 steps: more KVs to look past
+chunk_schedule = "1:180,2:240,4:300"   # (64K: 70.8%, not 43.8% with 4); 1, 2, 4 chunks before
 block_size = 64              # X_D of a text batch (a question batch: its question and answer)
 height = 4                   # leaves of 32 tokens ...
 beta = 3.2                   # ... that keep every token: 160 KVs a chunk, 32 in each of 5 nodes
