@@ -31,8 +31,7 @@ import torch
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = "What is the pass key? The pass key is "   # then the key, tokenized as in the needle
-                                                      # (passkey_question)
+QUESTION = "What is the pass key? The pass key is "   # then the key (passkey_question)
 
 
 def corpus_files(data_dir=""):
@@ -267,14 +266,15 @@ def collate(samples, tok):
 
 def get_batch(kind, B, rng, tok, splits, n_chunks, chunk_size, T, split="train"):
     # kind: "lm" | "passkey" | "mix" (the passkey in 1 sample of 3, facts in 2) -> context (B,n,C),
-    # idx (B, T), targets (B, T), question_len (B,) (T None: questions as long as their question
-    # and answer, padded to the longest)
+    # idx (B, T), targets (B, T), question_len (B,) (T None, and in "mix": questions as long as
+    # their question and answer, padded to the longest; the unscored pad only costs time)
     if kind == "lm":
         return collate([lm_sample(splits[split], rng, n_chunks, chunk_size, T) for _ in range(B)],
                        tok)
     return collate([fact_sample(tok, rng, splits[split], n_chunks, chunk_size)
-                    if kind == "mix" and rng.random() > 1 / 3 else
-                    passkey_sample(tok, rng, n_chunks, chunk_size, T) for _ in range(B)], tok)
+                    if kind == "mix" and rng.random() > 1 / 3 else passkey_sample(
+                        tok, rng, n_chunks, chunk_size, None if kind == "mix" else T)
+                    for _ in range(B)], tok)
 
 
 def exact_match(logits, targets):   # (B, T, vocab), (B, T) -> (B,): every scored token the argmax
