@@ -19,8 +19,8 @@ train = "cross"              # 8.0M trainable parameters; the 134.5M of SmolLM2 
 context_dropout = 0.0        # the frozen model already reads X_D alone
 n_lower = 12                 # M: 12 of its 30 layers compress, and 12 cross-attend
 chunk_size = 512             # C
-n_chunks = 8                 # X_C = 8 x 512 tokens for the last 70 steps: more KVs to look past
-chunk_schedule = "1:180,2:240,4:300"   # (64K: 70.8%, not 43.8% with 4); 1, 2, 4 chunks before
+n_chunks = 8                 # X_C = 8 x 512 tokens for the last 60 steps: more KVs to look past
+chunk_schedule = "1:150,2:200,4:250"   # 1, 2, 4 chunks before: the reader forms at 4
 block_size = 64              # X_D of a text batch (a question batch: its question and answer)
 height = 4                   # leaves of 32 tokens ...
 beta = 3.2                   # ... that keep every token: 160 KVs a chunk, 32 in each of 5 nodes
@@ -30,10 +30,10 @@ batch_size = 8
 learning_rate = 1e-3
 min_lr = 1e-4
 warmup_iters = 20
-max_iters = 370
-ema_decay = 0.0              # the raw weights: 370 steps is short for an average
-eval_interval = 370          # one evaluation, at the end (eval.py measures the long contexts)
+max_iters = 310
+ema_decay = 0.0              # the raw weights: 310 steps is short for an average
+eval_interval = 310          # one evaluation, at the end (eval.py measures the long contexts)
 eval_iters = 2               # 16 haystacks or text windows per length
 eval_chunks = "16"           # 8K context tokens (its window)
 final_eval_chunks = ""
-log_interval = 10           # (370 is a multiple: the log shows the last step)
+log_interval = 10           # (310 is a multiple: the log shows the last step)
