@@ -74,6 +74,8 @@ beta_schedule = "1:300,2:450,4:600"     # beta: 1 until iter 300, 2 until 450, .
                                         # ours: the key is found before it is compressed
 lm_from = 1500          # "mixed": text batches join here (ours: earlier, they stall the passkey)
 passkey_frac = 0.67     # "mixed": the share of question batches, each batch one kind (ours)
+first_token_weight = 1.0   # question batches: the answer's first token counts this many times
+                           # (ours: only it is found from the question; the rest follow it)
 context_dropout = 0.25  # share of text batches without X_C (ours: the upper model also works
                         # alone, and the ratio with and without the context is a fair one)
 ema_decay = 0.998       # evaluate and save a moving average of the weights (ours: a half-life of
@@ -341,7 +343,13 @@ while True:
         if ddp:   # average the gradients across processes at the last micro-step only
             model.require_backward_grad_sync = micro == gradient_accumulation_steps - 1
         with autocast:
-            _, loss = model(ctx, idx, tgt, ql, step_beta)   # SharedLLM: compress X_C, read X_D
+            logits, loss = model(ctx, idx, tgt, ql, step_beta)   # SharedLLM: compress, read X_D
+            if kind != "lm" and first_token_weight != 1:   # (the first scored token of each row)
+                w = (tgt != -100).float()
+                w[torch.arange(len(w)), w.argmax(1)] = first_token_weight
+                ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(),
+                                                       ignore_index=-100, reduction="none")
+                loss = (ce * w.flatten()).sum() / w.sum()
         nonfinite |= ~torch.isfinite(loss.detach())
         loss_sum[kind] = loss_sum.get(kind, 0.0) + loss.detach()
         loss_n[kind] = loss_n.get(kind, 0) + 1
