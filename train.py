@@ -347,7 +347,7 @@ while True:
             if kind != "lm" and first_token_weight != 1:   # (the first scored token of each row)
                 w = (tgt != -100).float()
                 w[torch.arange(len(w)), w.argmax(1)] = first_token_weight
-                ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(),
+                ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten(),
                                                        ignore_index=-100, reduction="none")
                 loss = (ce * w.flatten()).sum() / w.sum()
         nonfinite |= ~torch.isfinite(loss.detach())
